@@ -1,0 +1,1 @@
+"""fxsched: schedule the collectives of FSDP training graphs in torch.fx."""
