@@ -1,0 +1,163 @@
+"""The IR's node kinds: small attrs classes, one per kind, registered by their text keyword.
+
+An op knows its name, its data operands and its phase; kind-specific fields say what the
+passes need (sizes, roles, flags). Nothing here reads torch.fx: lowering fills the fields.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import ClassVar
+
+import attrs
+
+OP_KINDS: dict[str, type[Op]] = {}
+
+
+class Phase(enum.Enum):
+    FORWARD = "fwd"
+    BACKWARD = "bwd"
+
+
+class Role(enum.Enum):
+    """What an FSDP graph pass said a collective is for (lowered from `comm_type`)."""
+
+    GATHER = "fsdp_all_gather"
+    REGATHER = "fsdp_all_gather_backward"
+    REDUCE_SCATTER = "fsdp_reduce_scatter"
+
+
+def irop(keyword: str, *, movable: bool = True, effect: bool = False):
+    """Register an op class under its text keyword and declare its traits.
+
+    `movable`: a pass may change its position (inputs, markers and the output may not).
+    `effect`: it orders against other effects (barriers, frees) — see ir/effects.py.
+    """
+
+    def register(cls):
+        cls.KIND = keyword
+        cls.MOVABLE = movable
+        cls.EFFECT = effect
+        OP_KINDS[keyword] = cls
+        return cls
+
+    return register
+
+
+@attrs.frozen(kw_only=True)
+class Op:
+    KIND: ClassVar[str] = "op"
+    MOVABLE: ClassVar[bool] = True
+    EFFECT: ClassVar[bool] = False
+
+    name: str
+    operands: tuple[str, ...] = attrs.field(default=(), converter=tuple)
+    phase: Phase = Phase.FORWARD
+
+    def fields(self) -> dict[str, object]:
+        """Kind-specific fields (everything but name, operands and phase), in declaration order."""
+        skip = {"name", "operands", "phase"}
+        return {f.name: getattr(self, f.name) for f in attrs.fields(type(self)) if f.name not in skip}
+
+
+@irop("input", movable=False)
+@attrs.frozen(kw_only=True)
+class Input(Op):
+    """A graph input (placeholder) or constant (get_attr)."""
+
+    target: str = ""
+
+
+@irop("output", movable=False)
+@attrs.frozen(kw_only=True)
+class Output(Op):
+    pass
+
+
+@irop("marker", movable=False)
+@attrs.frozen(kw_only=True)
+class Marker(Op):
+    """A virtual node with no computation: `^entry` ends the inputs, `^backward` starts the backward phase."""
+
+
+@irop("compute")
+@attrs.frozen(kw_only=True)
+class Compute(Op):
+    target: str = ""
+    heavy: bool = False
+    attention: bool = False
+
+
+@irop("cast")
+@attrs.frozen(kw_only=True)
+class Cast(Op):
+    """A dtype conversion; a lone cast of a shard moves with the gather that reads it."""
+
+    target: str = ""
+
+
+@irop("view")
+@attrs.frozen(kw_only=True)
+class View(Op):
+    """An op whose result aliases its first operand's storage."""
+
+    target: str = ""
+
+
+@irop("copy_out")
+@attrs.frozen(kw_only=True)
+class CopyOut(Op):
+    """A clone that copies one member out of a bucket's gathered buffer."""
+
+    target: str = ""
+    bucket: str = ""
+
+
+@irop("launch")
+@attrs.frozen(kw_only=True)
+class Launch(Op):
+    """A collective launch. `role` is set for FSDP collectives; others keep their relative order.
+
+    `nbytes` is None when the size is unknown. `anchor` names the node the launch should
+    go just before (set by an anchoring pass); `hold` says why the launch stays where it is.
+    """
+
+    target: str = ""
+    group: str | None = None
+    role: Role | None = None
+    nbytes: int | None = None
+    params: tuple[str, ...] = attrs.field(default=(), converter=tuple)
+    bucket: str | None = None
+    anchor: str | None = None
+    hold: str | None = None
+
+    @property
+    def is_gather(self) -> bool:
+        return self.role in (Role.GATHER, Role.REGATHER)
+
+
+@irop("wait")
+@attrs.frozen(kw_only=True)
+class Wait(Op):
+    target: str = ""
+
+
+@irop("free", effect=True)
+@attrs.frozen(kw_only=True)
+class Free(Op):
+    """Releases the storage of its first operand (and every view of it) for `params`."""
+
+    target: str = ""
+    params: tuple[str, ...] = attrs.field(default=(), converter=tuple)
+
+
+@irop("barrier", movable=False, effect=True)
+@attrs.frozen(kw_only=True)
+class Barrier(Op):
+    """A side effect nothing may cross: a mutation, an opaque call, or an explicit `barrier` tag."""
+
+    target: str = ""
+    reason: str = ""
+
+
+REALIZATION_KINDS = (Wait, View, CopyOut)

@@ -1,0 +1,280 @@
+"""The IR's text form: `print_program` and `parse_program`, so tests can write programs by hand.
+
+    %x = input
+    ^entry
+    %ag = launch "all_gather_into_tensor"(%w) {role = fsdp_all_gather, nbytes = 4096, params = ["w"]}
+    %wt = wait(%ag)
+    %mm = compute "aten.mm"(%x, %wt) {heavy}
+    ^backward
+    %output = output(%mm)
+
+One op per line in schedule order; ops after `^backward` are backward (an op may say `fwd`
+or `bwd` to differ). Effect edges are derived from the rules on parse; `effect %a -> %b`
+lines add more. `//` starts a comment.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+
+import attrs
+
+from .effects import BACKWARD, derive_effects
+from .ops import OP_KINDS, Marker, Op, Phase, Role
+from .program import DATA, Program, Schedule
+
+
+class ParseError(ValueError):
+    def __init__(self, message: str, line: int, column: int, text: str = ""):
+        self.line, self.column = line, column
+        pointer = f"\n  {text}\n  {' ' * (column - 1)}^" if text else ""
+        super().__init__(f"line {line}, column {column}: {message}{pointer}")
+
+
+# ---- printing -------------------------------------------------------------------------
+
+def _value(value) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, enum_types):
+        return value.value
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(_value(v) for v in value) + "]"
+    if isinstance(value, str):
+        return json.dumps(value)
+    return str(value)
+
+
+enum_types = (Role, Phase)
+
+
+def _ref(name: str) -> str:
+    return name if name.startswith("^") else f"%{name}"
+
+
+def print_op(op: Op, region: Phase = Phase.FORWARD, with_phase: bool = True) -> str:
+    if isinstance(op, Marker):
+        return op.name
+    fields = op.fields()
+    target = fields.pop("target", "")
+    head = f"%{op.name} = {op.KIND}"
+    if target:
+        head += f" {json.dumps(target)}"
+    if op.operands or op.KIND not in ("input",):
+        head += "(" + ", ".join(f"%{o}" for o in op.operands) + ")"
+    attrs_out = []
+    defaults = {f.name: f.default for f in attrs.fields(type(op))}
+    if with_phase and op.phase is not region and op.KIND not in ("input", "output"):
+        attrs_out.append(op.phase.value)
+    for key, value in fields.items():
+        if value == defaults.get(key):
+            continue
+        if value is True:
+            attrs_out.append(key)
+        elif key == "anchor":
+            attrs_out.append(f"anchor = %{value}")
+        else:
+            attrs_out.append(f"{key} = {_value(value)}")
+    if attrs_out:
+        head += " {" + ", ".join(attrs_out) + "}"
+    return head
+
+
+def print_program(program: Program, effects: bool = False) -> str:
+    """Ops in schedule order; with `effects`, the derived effect edges follow as comments."""
+    lines = []
+    region = Phase.FORWARD
+    for name in program.schedule:
+        op = program.op(name)
+        if name == BACKWARD:
+            region = Phase.BACKWARD
+        lines.append(print_op(op, region))
+    if effects:
+        for u, v, why in sorted(program.effect_edges(), key=lambda e: (program.schedule.index(e[1]), e[0])):
+            lines.append(f"// effect {_ref(u)} -> {_ref(v)} ({why})")
+    return "\n".join(lines) + "\n"
+
+
+# ---- parsing --------------------------------------------------------------------------
+
+_TOKEN = re.compile(r"""
+    (?P<space>\s+) | (?P<comment>//.*) |
+    (?P<ref>%[A-Za-z_][\w.\-]*) | (?P<marker>\^[A-Za-z_]\w*) |
+    (?P<string>"(?:[^"\\]|\\.)*") | (?P<number>-?\d+) |
+    (?P<arrow>->) | (?P<ident>[A-Za-z_][\w.]*) | (?P<punct>[=(){}\[\],])
+""", re.VERBOSE)
+
+
+class _Line:
+    def __init__(self, text: str, number: int):
+        self.text, self.number = text, number
+        self.tokens: list[tuple[str, str, int]] = []
+        at = 0
+        while at < len(text):
+            m = _TOKEN.match(text, at)
+            if not m:
+                raise ParseError(f"unexpected character {text[at]!r}", number, at + 1, text)
+            if m.lastgroup not in ("space", "comment"):
+                self.tokens.append((m.lastgroup, m.group(), at + 1))
+            at = m.end()
+        self.i = 0
+
+    def error(self, message: str):
+        column = self.tokens[self.i][2] if self.i < len(self.tokens) else len(self.text) + 1
+        raise ParseError(message, self.number, column, self.text)
+
+    def peek(self) -> tuple[str, str]:
+        return self.tokens[self.i][:2] if self.i < len(self.tokens) else ("end", "")
+
+    def take(self, kind: str, value: str | None = None) -> str:
+        got_kind, got = self.peek()
+        if got_kind != kind or (value is not None and got != value):
+            want = repr(value) if value is not None else kind
+            self.error(f"expected {want}, found {got!r}" if got else f"expected {want}, found end of line")
+        self.i += 1
+        return got
+
+    def accept(self, kind: str, value: str | None = None) -> bool:
+        got_kind, got = self.peek()
+        if got_kind == kind and (value is None or got == value):
+            self.i += 1
+            return True
+        return False
+
+
+def _parse_value(line: _Line):
+    kind, value = line.peek()
+    if kind == "string":
+        line.i += 1
+        return json.loads(value)
+    if kind == "number":
+        line.i += 1
+        return int(value)
+    if kind == "ref":
+        line.i += 1
+        return value[1:]
+    if kind == "ident":
+        line.i += 1
+        return {"true": True, "false": False}.get(value, value)
+    if line.accept("punct", "["):
+        items = []
+        while not line.accept("punct", "]"):
+            if items:
+                line.take("punct", ",")
+            items.append(_parse_value(line))
+        return tuple(items)
+    line.error(f"expected a value, found {value!r}")
+
+
+def _convert(cls: type[Op], key: str, value, line: _Line, column_at: int):
+    if key == "role":
+        try:
+            return Role(value)
+        except ValueError:
+            line.i = column_at
+            line.error(f"unknown role {value!r}; roles: {[r.value for r in Role]}")
+    if key in ("bucket", "group") and isinstance(value, int):
+        return str(value)
+    return value
+
+
+def _parse_op(line: _Line, region: Phase) -> Op:
+    name = line.take("ref")[1:]
+    line.take("punct", "=")
+    at = line.i
+    keyword = line.take("ident")
+    cls = OP_KINDS.get(keyword)
+    if cls is None or cls is Marker:
+        line.i = at
+        line.error(f"unknown op kind {keyword!r}; kinds: {sorted(k for k in OP_KINDS if k != 'marker')}")
+    kwargs: dict = {"name": name, "phase": region}
+    if line.peek()[0] == "string":
+        kwargs["target"] = json.loads(line.take("string"))
+    operands = []
+    if line.accept("punct", "("):
+        while not line.accept("punct", ")"):
+            if operands:
+                line.take("punct", ",")
+            operands.append(line.take("ref")[1:])
+    kwargs["operands"] = tuple(operands)
+    known = {f.name for f in attrs.fields(cls)} - {"name", "operands", "phase"}
+    if line.accept("punct", "{"):
+        first = True
+        while not line.accept("punct", "}"):
+            if not first:
+                line.take("punct", ",")
+            first = False
+            at = line.i
+            key = line.take("ident")
+            if key in ("fwd", "bwd"):
+                kwargs["phase"] = Phase(key)
+                continue
+            if key not in known:
+                line.i = at
+                line.error(f"{keyword} has no attribute {key!r}; it has {sorted(known)}")
+            if line.accept("punct", "="):
+                value_at = line.i
+                kwargs[key] = _convert(cls, key, _parse_value(line), line, value_at)
+            else:
+                kwargs[key] = True
+    if line.peek()[0] != "end":
+        line.error(f"unexpected {line.peek()[1]!r} after the op")
+    try:
+        return cls(**kwargs)
+    except (TypeError, ValueError) as exc:
+        line.i = 0
+        line.error(f"bad {keyword}: {exc}")
+
+
+def parse_program(text: str) -> Program:
+    """Parse the text form; effect edges are derived from the rules (see ir/effects.py)."""
+    program = Program()
+    order: list[str] = []
+    defined: dict[str, int] = {}
+    region = Phase.FORWARD
+    explicit: list[tuple[str, str, _Line]] = []
+    uses: list[tuple[Op, _Line]] = []
+    for number, raw in enumerate(text.splitlines(), 1):
+        line = _Line(raw, number)
+        if not line.tokens:
+            continue
+        kind, value = line.peek()
+        if kind == "marker":
+            line.i += 1
+            if line.peek()[0] != "end":
+                line.error("a marker stands alone on its line")
+            if value == BACKWARD:
+                region = Phase.BACKWARD
+            op: Op = Marker(name=value, phase=region)
+        elif kind == "ident" and value == "effect":
+            line.i += 1
+            before = line.take("ref")[1:]
+            line.take("arrow")
+            after = line.take("ref")[1:]
+            explicit.append((before, after, line))
+            continue
+        else:
+            op = _parse_op(line, region)
+        if op.name in defined:
+            line.i = 0
+            line.error(f"%{op.name} is already defined on line {defined[op.name]}")
+        defined[op.name] = number
+        program.graph.add_node(op.name, op=op)
+        order.append(op.name)
+        uses.append((op, line))
+    for op, line in uses:
+        for operand in op.operands:
+            if operand not in defined:
+                line.i = next(i for i, t in enumerate(line.tokens) if t[1] == f"%{operand}")
+                line.error(f"%{operand} is not defined")
+            program.graph.add_edge(operand, op.name, kind=DATA)
+    program.schedule = Schedule(order)
+    derive_effects(program)
+    for before, after, line in explicit:
+        for ref in (before, after):
+            if ref not in defined:
+                line.i = next(i for i, t in enumerate(line.tokens) if t[1] == f"%{ref}")
+                line.error(f"%{ref} is not defined")
+        program.add_effect(before, after, "explicit")
+    return program

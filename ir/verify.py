@@ -1,0 +1,93 @@
+"""The verifier: checks a program's structure and that its schedule keeps every rule.
+
+Each message names the node and the broken rule. Passes may assume verified input and must
+leave the program verified; the pass manager runs this between passes.
+"""
+
+from __future__ import annotations
+
+import networkx as nx
+
+from .effects import storage_readers, storage_root
+from .ops import Free, Input, Launch, Marker, Output, Phase, Wait
+from .program import DATA, Program
+
+
+class VerifyError(ValueError):
+    def __init__(self, problems: list[str]):
+        self.problems = problems
+        shown = problems[:10]
+        more = f"\n  ... and {len(problems) - 10} more" if len(problems) > 10 else ""
+        super().__init__("invalid program:\n  " + "\n  ".join(shown) + more)
+
+
+def verify(program: Program) -> None:
+    """Raise VerifyError listing every broken rule (structure first, then the schedule)."""
+    problems = _structure(program)
+    if not problems:
+        problems = _schedule(program)
+    if problems:
+        raise VerifyError(problems)
+
+
+def _structure(program: Program) -> list[str]:
+    graph = program.graph
+    problems = []
+    for name, data in graph.nodes(data=True):
+        op = data.get("op")
+        if op is None or op.name != name:
+            problems.append(f"%{name}: node has no op or a mismatched name")
+            continue
+        data_preds = {p for p in graph.pred[name] if graph.edges[p, name]["kind"] == DATA}
+        if data_preds != set(op.operands):
+            problems.append(f"%{name}: data edges {sorted(data_preds)} differ from operands {list(op.operands)}")
+    if problems:
+        return problems
+    if not nx.is_directed_acyclic_graph(graph):
+        cycle = nx.find_cycle(graph)
+        path = " -> ".join(f"%{u}" for u, _ in cycle) + f" -> %{cycle[0][0]}"
+        problems.append(f"cycle: {path}")
+    for name, data in graph.nodes(data=True):
+        op = data["op"]
+        if isinstance(op, Wait):
+            launches = [p for p in op.operands if isinstance(program.op(p), Launch)]
+            if len(op.operands) != 1 or len(launches) != 1:
+                problems.append(f"%{name}: a wait must have exactly one operand, a launch; has {list(op.operands)}")
+        elif isinstance(op, Launch):
+            waits = [u for u in graph.succ[name] if isinstance(program.op(u), Wait)]
+            if len(waits) != 1:
+                problems.append(f"%{name}: a launch must have exactly one wait; has {len(waits)}")
+    return problems
+
+
+def _schedule(program: Program) -> list[str]:
+    graph = program.graph
+    schedule = program.schedule
+    problems = []
+    names = schedule.names()
+    if len(names) != len(set(names)) or set(names) != set(graph.nodes):
+        missing = sorted(set(graph.nodes) - set(names))[:5]
+        extra = sorted(set(names) - set(graph.nodes))[:5]
+        dup = len(names) - len(set(names))
+        return [f"schedule is not a permutation of the nodes: missing {missing}, unknown {extra}, {dup} repeated"]
+    pos = schedule.index
+    for u, v, e in graph.edges(data=True):
+        if pos(u) >= pos(v):
+            rule = e["kind"] if e["kind"] == DATA else f"effect ({e['why']})"
+            problems.append(f"%{v}: scheduled before %{u}, which it must follow by a {rule} edge")
+    seen_backward = None
+    for name in names:
+        op = program.op(name)
+        if isinstance(op, (Input, Marker, Output)):
+            continue
+        if op.phase is Phase.BACKWARD:
+            seen_backward = seen_backward or name
+        elif seen_backward is not None:
+            problems.append(f"%{name}: forward op scheduled after backward op %{seen_backward} (phases out of order)")
+    for name in names:
+        op = program.op(name)
+        if isinstance(op, Free) and op.operands:
+            for reader in storage_readers(program, storage_root(program, op.operands[0])):
+                if reader != name and pos(reader) > pos(name):
+                    problems.append(f"%{reader}: reads storage freed by %{name} but is scheduled after it")
+    return problems
