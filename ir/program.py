@@ -79,12 +79,17 @@ class Schedule:
 
 @attrs.define(eq=False)
 class Program:
-    """The IR of one graph. `payload` maps names to whatever a lowering kept for raising."""
+    """The IR of one graph.
+
+    `payload` maps names, and `origin` the whole program, to whatever a lowering kept for
+    raising (FX nodes and their GraphModule); the IR never looks inside them.
+    """
 
     graph: nx.DiGraph = attrs.field(factory=nx.DiGraph)
     schedule: Schedule = attrs.field(factory=Schedule)
     notes: list[str] = attrs.field(factory=list)
     payload: dict[str, Any] = attrs.field(factory=dict)
+    origin: Any = None
 
     # ---- construction -------------------------------------------------------------
     def add(self, op: Op) -> Op:
@@ -131,7 +136,7 @@ class Program:
         return [(u, v, e["why"]) for u, v, e in self.graph.edges(data=True) if e["kind"] == EFFECT]
 
     def copy(self) -> Program:
-        return Program(self.graph.copy(), self.schedule.copy(), list(self.notes), dict(self.payload))
+        return Program(self.graph.copy(), self.schedule.copy(), list(self.notes), dict(self.payload), self.origin)
 
     def __str__(self) -> str:
         from .text import print_program

@@ -1,0 +1,5 @@
+"""IR Program → fresh FX GraphModule."""
+
+from .fx import RaisingError, raise_program
+
+__all__ = ["RaisingError", "raise_program"]
