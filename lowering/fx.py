@@ -158,7 +158,9 @@ class _Lowering:
                 self.notes.append(f"%{node.name}: param_name={name!r} is not a name: not moved")
                 params, hold = (), "no parameter name"
         return Launch(target=target, group=_group(node), role=role, nbytes=_nbytes(node, self.notes),
-                      params=params, bucket=bucket, hold=hold, **base)
+                      params=params, bucket=bucket, hold=hold,
+                      prefetched="fsdp_prefetch_anchor" in meta,  # moved by an earlier run
+                      **base)
 
     def free(self, node: fx.Node, target: str, base: dict) -> Op:
         name = node.meta.get("param_name")

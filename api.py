@@ -1,0 +1,105 @@
+"""The package face: FX → lowering → passes → raising, as one call.
+
+`schedule` runs any pipeline and returns the new module with a report; `overlap_param_gather`
+is the drop-in for the reference pass (same config, same outputs in `meta`, one log line).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import attrs
+from torch import fx
+
+from .config import read_config
+from .ir import Launch, Program
+from .lowering import lower
+from .passes import REFERENCE_PIPELINE, Instrument, PassManager, PipelineResult, Timing
+from .raising import raise_program
+
+LOG = logging.getLogger("fxsched")
+
+
+@attrs.define
+class ScheduleResult:
+    graph_module: fx.GraphModule
+    program: Program
+    pipeline: str
+    result: PipelineResult
+    timing: Timing | None = None
+
+    @property
+    def report(self) -> dict[str, Any]:
+        """Everything a person or a tool needs to see what happened, as plain data."""
+        return {
+            "pipeline": self.pipeline,
+            "changed": self.result.changed,
+            "passes": self.result.stats(),
+            "gathers": gather_table(self.program),
+            "notes": list(self.program.notes),
+            "seconds": dict(self.timing.seconds) if self.timing else None,
+        }
+
+
+def gather_table(program: Program) -> list[dict[str, Any]]:
+    """One row per FSDP gather: moved or not, where to, and why not."""
+    rows = []
+    for op in program.ops():
+        if isinstance(op, Launch) and op.is_gather:
+            rows.append({
+                "launch": op.name, "role": op.role.value, "phase": op.phase.value,
+                "params": list(op.params), "bucket": op.bucket, "nbytes": op.nbytes,
+                "moved": op.prefetched, "anchor": op.anchor, "reason": op.hold,
+            })
+    return rows
+
+
+def schedule(gm: fx.GraphModule, pipeline: str = REFERENCE_PIPELINE, *, verify_each: bool = True,
+             timing: bool = False, instruments: list[Instrument] | None = None) -> ScheduleResult:
+    """Lower `gm` (left untouched), run `pipeline`, and raise a fresh, linted GraphModule."""
+    manager = PassManager(pipeline, verify_each=verify_each, instruments=list(instruments or []))
+    timer = Timing() if timing else None
+    if timer:
+        manager.instruments.insert(0, timer)
+    gm.graph.lint()
+    program = lower(gm)
+    if verify_each:
+        from .ir import verify
+
+        verify(program)
+    result = manager.run(program)
+    raised = raise_program(program)
+    return ScheduleResult(raised, program, str(manager), result, timer)
+
+
+def reference_pipeline(max_in_flight_gb: float, forward_depth: int = 1, backward_depth: int = 1) -> str:
+    return (f"anchor{{forward-depth={forward_depth},backward-depth={backward_depth}}},"
+            f"budget{{max-in-flight-gb={max_in_flight_gb!r}}},prefetch,sink")
+
+
+def overlap_param_gather(graph_module: fx.GraphModule, config) -> fx.GraphModule:
+    """Drop-in for HyperParallel's pass: schedules `graph_module` in place and returns it.
+
+    Sets `meta["fsdp_prefetch"] = {"forward", "backward", "sunk"}` on the module and
+    `meta["fsdp_prefetch_anchor"]` on each moved gather; logs one line.
+    """
+    enabled, budget, forward, backward = read_config(config)
+    if not enabled:
+        return graph_module
+    done = schedule(graph_module, reference_pipeline(budget, forward, backward))
+    stats = done.result.stats()
+    prefetch = next(v for k, v in stats.items() if k.startswith("prefetch"))
+    sink = next(v for k, v in stats.items() if k.startswith("sink"))
+    anchors = {row["launch"]: row["anchor"] for row in gather_table(done.program) if row["moved"]}
+    new_graph = done.graph_module.graph
+    for node in new_graph.nodes:
+        if node.name in anchors:
+            node.meta["fsdp_prefetch_anchor"] = anchors[node.name]
+    graph_module.graph = new_graph
+    graph_module.recompile()
+    counts = {"forward": prefetch["forward"], "backward": prefetch["backward"], "sunk": sink["sunk"]}
+    graph_module.meta["fsdp_prefetch"] = counts
+    LOG.info("FSDP parameter prefetch: forward=%d backward=%d sunk=%d budget_bytes=%d depths=(%d, %d)",
+             counts["forward"], counts["backward"], counts["sunk"], int(budget * 2**30), forward, backward)
+    return graph_module

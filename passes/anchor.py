@@ -1,0 +1,114 @@
+"""anchor: pick, for each gather, the node its launch should go just before.
+
+Consumer lookahead per phase (gathers grouped by first consumer; group i launches before
+consumer i − depth), then attention intervals (consumers of the next interval spread over
+the heavy ops of this one) where those are earlier. Writes `anchor`, or a `hold` reason.
+"""
+
+from __future__ import annotations
+
+import bisect
+import dataclasses
+
+import attrs
+
+from ..ir import Compute, Launch, Phase, Program
+from .base import ModulePass, PassContext, PassResult, check_depth, register_pass
+from .gathers import Gather, GatherAnalysis
+
+
+@register_pass
+@dataclasses.dataclass(frozen=True)
+class Anchor(ModulePass):
+    name = "anchor"
+    preserves = (GatherAnalysis,)
+
+    forward_depth: int = 1
+    backward_depth: int = 1
+    attention: bool = True
+
+    def __post_init__(self):
+        check_depth(self.name, "forward-depth", self.forward_depth)
+        check_depth(self.name, "backward-depth", self.backward_depth)
+
+    def apply(self, ctx: PassContext, program: Program) -> PassResult:
+        analysis = ctx.get(GatherAnalysis, program)
+        stats = {"anchored": 0, "first group": 0, "depth 0": 0, "no consumer": len(analysis.unconsumed)}
+        updates: dict[str, Launch] = {}
+        for name in analysis.unconsumed:
+            updates[name] = _set(program.op(name), None, "no consumer")
+        for phase, depth in ((Phase.FORWARD, self.forward_depth), (Phase.BACKWARD, self.backward_depth)):
+            gathers = [g for g in analysis.gathers if g.phase is phase]
+            anchors = self._anchors(program, gathers, phase, depth) if depth else {}
+            for g in gathers:
+                op = program.op(g.launch)
+                if op.hold is not None and op.anchor is None and op.hold not in REASONS:
+                    continue  # lowering held it (malformed tags): leave its reason
+                if depth == 0:
+                    reason = "depth 0"
+                elif g.launch in anchors:
+                    reason = None
+                else:
+                    reason = "first group"
+                stats["anchored" if reason is None else reason] += 1
+                updates[g.launch] = _set(op, anchors.get(g.launch), reason)
+        changed = False
+        for op in updates.values():
+            if op != program.op(op.name):
+                program.replace(op)
+                changed = True
+        return PassResult(changed, stats)
+
+    def _anchors(self, program: Program, gathers: list[Gather], phase: Phase, depth: int) -> dict[str, str]:
+        pos = program.schedule.index
+        groups: dict[str, list[Gather]] = {}
+        for g in sorted(gathers, key=lambda g: pos(g.first_consumer)):
+            groups.setdefault(g.first_consumer, []).append(g)
+        consumers = list(groups)
+        anchors = {}
+        for i, consumer in enumerate(consumers[1:], 1):
+            for g in groups[consumer]:
+                anchors[g.launch] = consumers[max(0, i - depth)]
+        if self.attention:
+            self._attention_anchors(program, groups, phase, anchors)
+        return anchors
+
+    def _attention_anchors(self, program: Program, groups: dict[str, list[Gather]], phase: Phase,
+                           anchors: dict[str, str]) -> None:
+        pos = program.schedule.index
+        nodes = [n for n in program.schedule
+                 if isinstance(op := program.op(n), Compute) and op.phase is phase and op.heavy]
+        attention = [n for n in nodes if program.op(n).attention]
+        if not attention:
+            return
+        consumers = list(groups)  # in schedule order
+        consumer_at = [pos(c) for c in consumers]
+        bounds = [-1, *(pos(n) for n in attention), len(program.schedule)]
+        heavy_at = [pos(n) for n in nodes]
+        start = 0
+        for i in range(len(bounds) - 1):
+            left, right = bounds[i], bounds[i + 1]
+            while start < len(nodes) and heavy_at[start] < max(left, 0):
+                start += 1
+            stop = start
+            while stop < len(nodes) and heavy_at[stop] <= right:
+                stop += 1
+            heavy = nodes[start:stop]
+            if not heavy:
+                continue
+            end = bounds[i + 2] if i + 2 < len(bounds) else right
+            # consumers in (right, end], and for the first interval also those in (left, right]
+            lo = bisect.bisect_right(consumer_at, left if i == 0 else right)
+            targets = consumers[lo:bisect.bisect_right(consumer_at, end)]
+            for k, consumer in enumerate(targets):
+                anchor = heavy[k * len(heavy) // len(targets)]
+                for g in groups[consumer]:
+                    if pos(anchor) < pos(anchors.get(g.launch, consumer)):
+                        anchors[g.launch] = anchor
+
+
+REASONS = ("first group", "depth 0", "no consumer", "no earlier legal slot", "over budget", "unknown size")
+
+
+def _set(op: Launch, anchor: str | None, hold: str | None) -> Launch:
+    return attrs.evolve(op, anchor=anchor, hold=hold)

@@ -1,0 +1,98 @@
+"""What every pass is: a frozen dataclass with a kebab-case `name`, options as fields, `apply`.
+
+Passes are stateless between runs; what they share lives in the program and in analyses,
+which a PassContext computes once and keeps until a pass that does not preserve them ran.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, ClassVar
+
+import attrs
+
+from ..ir import Program
+
+PASSES: dict[str, type[ModulePass]] = {}
+
+
+def register_pass(cls: type[ModulePass]) -> type[ModulePass]:
+    if cls.name in PASSES:
+        raise ValueError(f"pass {cls.name!r} is registered twice")
+    PASSES[cls.name] = cls
+    return cls
+
+
+@attrs.define
+class PassResult:
+    """Whether the pass changed the program, and its statistics (counts, reasons)."""
+
+    changed: bool
+    stats: dict[str, Any] = attrs.field(factory=dict)
+
+
+class Analysis:
+    """Base for analyses: `compute(program)` builds one from the program as it is now."""
+
+    @classmethod
+    def compute(cls, program: Program) -> Analysis:
+        raise NotImplementedError
+
+
+class PassContext:
+    """Caches analyses of one program between passes."""
+
+    def __init__(self):
+        self._cache: dict[type[Analysis], Analysis] = {}
+
+    def get(self, kind: type[Analysis], program: Program):
+        if kind not in self._cache:
+            self._cache[kind] = kind.compute(program)
+        return self._cache[kind]
+
+    def keep_only(self, preserved: tuple[type[Analysis], ...]) -> None:
+        self._cache = {k: v for k, v in self._cache.items() if k in preserved}
+
+
+@dataclasses.dataclass(frozen=True)
+class ModulePass:
+    name: ClassVar[str] = ""
+    #: analyses still valid after this pass ran, whatever it changed
+    preserves: ClassVar[tuple[type[Analysis], ...]] = ()
+
+    def apply(self, ctx: PassContext, program: Program) -> PassResult:
+        raise NotImplementedError
+
+    # ---- options ------------------------------------------------------------------
+    @classmethod
+    def options(cls) -> dict[str, dataclasses.Field]:
+        """Option fields by their kebab-case text name."""
+        return {f.name.replace("_", "-"): f for f in dataclasses.fields(cls)}
+
+    def __str__(self) -> str:
+        """The canonical text: options that differ from their defaults, in declaration order."""
+        parts = []
+        for text_name, f in self.options().items():
+            value = getattr(self, f.name)
+            if value != f.default:
+                parts.append(f"{text_name}={_format(value)}")
+        return self.name + ("{" + ",".join(parts) + "}" if parts else "")
+
+
+def _format(value) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, float):
+        return repr(value)
+    return str(value)
+
+
+def check_depth(owner: str, field: str, value) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise ValueError(f"{owner}: {field} must be a non-negative integer, got {value!r}")
+
+
+def check_budget(owner: str, field: str, value) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+        raise ValueError(f"{owner}: {field} must be a finite non-negative number of GiB, got {value!r}")

@@ -1,0 +1,89 @@
+"""Gather analysis: each FSDP gather's launch chain, realization DAG and first real consumer.
+
+Computed once from the program; membership never changes under the scheduling passes, so
+they all preserve it (positions are read from the live schedule when needed).
+"""
+
+from __future__ import annotations
+
+import attrs
+
+from ..ir import DATA, Cast, CopyOut, Input, Launch, Phase, Program, View, Wait
+from .base import Analysis
+
+
+@attrs.frozen
+class Gather:
+    launch: str
+    chain: tuple[str, ...]        # what moves with the launch, in schedule order, launch last
+    realization: tuple[str, ...]  # wait, views and copy-outs, in schedule order
+    first_consumer: str
+    phase: Phase
+
+
+@attrs.frozen
+class GatherAnalysis(Analysis):
+    gathers: tuple[Gather, ...]   # in schedule order of their launches
+    unconsumed: tuple[str, ...]   # gather launches whose realization nobody reads
+
+    @classmethod
+    def compute(cls, program: Program) -> GatherAnalysis:
+        gathers, unconsumed = [], []
+        pos = program.schedule.index
+        for name in program.schedule:
+            op = program.op(name)
+            if not (isinstance(op, Launch) and op.is_gather):
+                continue
+            waits = [u for u in program.users(name) if isinstance(program.op(u), Wait)]
+            if len(waits) != 1:
+                continue
+            realization, consumers = _realize(program, waits[0], op.bucket)
+            if not consumers:
+                unconsumed.append(name)
+                continue
+            gathers.append(Gather(
+                launch=name,
+                chain=tuple(sorted(launch_chain(program, op), key=pos)),
+                realization=tuple(sorted(realization, key=pos)),
+                first_consumer=min(consumers, key=pos),
+                phase=op.phase,
+            ))
+        return cls(tuple(gathers), tuple(unconsumed))
+
+
+def _realize(program: Program, wait: str, bucket: str | None) -> tuple[set[str], set[str]]:
+    """The wait plus every view and own-bucket copy-out reachable from it; and their other users."""
+    realization, consumers = {wait}, set()
+    stack = [wait]
+    while stack:
+        for user in program.users(stack.pop()):
+            op = program.op(user)
+            if isinstance(op, View) or (isinstance(op, CopyOut) and bucket is not None and op.bucket == bucket):
+                if user not in realization:
+                    realization.add(user)
+                    stack.append(user)
+            else:
+                consumers.add(user)
+    return realization, consumers
+
+
+def launch_chain(program: Program, launch: Launch) -> list[str]:
+    """A bucket's private pack DAG, or a lone cast of an input shard, plus the launch."""
+    if launch.bucket is not None:
+        chain = {launch.name}
+        stack = list(launch.operands)
+        while stack:
+            name = stack.pop()
+            op = program.op(name)
+            if name in chain or not op.MOVABLE or op.EFFECT or isinstance(op, Input):
+                continue
+            if all(u in chain for u in program.graph.succ[name] if program.graph.edges[name, u]["kind"] == DATA):
+                chain.add(name)
+                stack.extend(op.operands)
+        return list(chain)
+    if launch.operands:
+        shard = program.op(launch.operands[0])
+        if (isinstance(shard, Cast) and shard.operands and len(program.users(shard.name)) == 1
+                and all(isinstance(program.op(o), Input) for o in shard.operands)):
+            return [shard.name, launch.name]
+    return [launch.name]

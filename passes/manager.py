@@ -1,0 +1,187 @@
+"""Pipelines as text, parsed against the pass registry, and the pass manager that runs them.
+
+`"anchor{forward-depth=2},budget{max-in-flight-gb=1.5},prefetch,sink"` → passes; printing a
+pipeline gives its canonical text. The manager verifies after each pass, and instruments
+(timing, IR printing) hook in before and after every pass.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import sys
+import time
+from typing import IO
+
+import attrs
+
+from ..ir import Program, print_program, verify
+from .base import PASSES, ModulePass, PassContext, PassResult
+
+
+class PipelineError(ValueError):
+    """A pipeline text names an unknown pass or option, or gives a bad value."""
+
+
+class PassFailure(RuntimeError):
+    """A pass raised or left an invalid program; names it and the passes that ran before."""
+
+    def __init__(self, failed: ModulePass, before: list[ModulePass], cause: BaseException, where: str):
+        self.failed, self.before, self.cause = failed, before, cause
+        ran = ",".join(str(p) for p in before) or "(none)"
+        super().__init__(f"pass '{failed}' {where}: {type(cause).__name__}: {cause}\n  passes before it: {ran}")
+
+
+_ITEM = re.compile(r"\s*([A-Za-z][\w-]*)\s*(?:\{([^{}]*)\})?\s*(,|$)")
+
+
+def parse_pipeline(text: str) -> list[ModulePass]:
+    passes = []
+    at = 0
+    text = text.strip()
+    while at < len(text):
+        m = _ITEM.match(text, at)
+        if not m:
+            raise PipelineError(f"cannot parse pipeline at column {at + 1}: {text[at:]!r} "
+                                "(expected name or name{opt=value,...})")
+        passes.append(make_pass(m.group(1), m.group(2)))
+        at = m.end()
+        if m.group(3) == "," and at >= len(text):
+            raise PipelineError("pipeline ends with a comma")
+    return passes
+
+
+def make_pass(name: str, options: str | None = None) -> ModulePass:
+    cls = PASSES.get(name)
+    if cls is None:
+        raise PipelineError(f"unknown pass {name!r}; passes: {', '.join(sorted(PASSES))}")
+    fields = cls.options()
+    kwargs = {}
+    for item in filter(None, (s.strip() for s in (options or "").split(","))):
+        key, sep, raw = item.partition("=")
+        key, raw = key.strip(), raw.strip()
+        if key not in fields:
+            known = ", ".join(f"{k} (default {f.default!r})" for k, f in fields.items()) or "none"
+            raise PipelineError(f"pass {name!r} has no option {key!r}; options: {known}")
+        kwargs[fields[key].name] = _convert(name, key, fields[key], raw if sep else "true")
+    try:
+        return cls(**kwargs)
+    except ValueError as exc:
+        raise PipelineError(str(exc)) from exc
+
+
+def _convert(pass_name: str, key: str, field: dataclasses.Field, raw: str):
+    kind = type(field.default)
+    try:
+        if kind is bool:
+            if raw not in ("true", "false"):
+                raise ValueError
+            return raw == "true"
+        if kind is int:
+            return int(raw)
+        if kind is float:
+            return float(raw)
+        return raw
+    except ValueError:
+        raise PipelineError(f"pass {pass_name!r}: option {key!r} wants {"an" if kind.__name__[0] in "aeiou" else "a"} {kind.__name__}, got {raw!r}") from None
+
+
+def print_pipeline(passes: list[ModulePass]) -> str:
+    return ",".join(str(p) for p in passes)
+
+
+# ---- instrumentation -----------------------------------------------------------------
+
+class Instrument:
+    """Hooks around each pass; override what you need."""
+
+    def before(self, p: ModulePass, program: Program) -> None: ...
+
+    def after(self, p: ModulePass, program: Program, result: PassResult) -> None: ...
+
+
+class Timing(Instrument):
+    def __init__(self):
+        self.seconds: list[tuple[str, float]] = []
+        self._start = 0.0
+
+    def before(self, p, program):
+        self._start = time.perf_counter()
+
+    def after(self, p, program, result):
+        self.seconds.append((str(p), time.perf_counter() - self._start))
+
+    def report(self) -> str:
+        total = sum(s for _, s in self.seconds) or 1e-12
+        rows = [f"  {s:9.4f} s  {100 * s / total:5.1f}%  {name}" for name, s in self.seconds]
+        return "pass timing:\n" + "\n".join(rows) + f"\n  {total:9.4f} s  total\n"
+
+
+class PrintIR(Instrument):
+    """Print the IR before and/or after each pass; `only_changed` skips passes that changed nothing."""
+
+    def __init__(self, before: bool = False, after: bool = True, only_changed: bool = False,
+                 stream: IO[str] | None = None):
+        self.print_before, self.print_after, self.only_changed = before, after, only_changed
+        self.stream = stream
+
+    def before(self, p, program):
+        if self.print_before:
+            print(f"// ----- IR before {p} -----\n{print_program(program)}", file=self.stream or sys.stderr)
+
+    def after(self, p, program, result):
+        if self.print_after and (result.changed or not self.only_changed):
+            print(f"// ----- IR after {p} -----\n{print_program(program)}", file=self.stream or sys.stderr)
+
+
+@attrs.define
+class PipelineResult:
+    results: list[tuple[ModulePass, PassResult]]
+
+    @property
+    def changed(self) -> bool:
+        return any(r.changed for _, r in self.results)
+
+    def stats(self) -> dict[str, dict]:
+        """Statistics per pass, keyed by the pass's canonical text (repeated passes get #2, #3)."""
+        out: dict[str, dict] = {}
+        for p, r in self.results:
+            key = str(p)
+            n = 2
+            while key in out:
+                key = f"{p}#{n}"
+                n += 1
+            out[key] = dict(r.stats, changed=r.changed)
+        return out
+
+
+class PassManager:
+    def __init__(self, pipeline: str | list[ModulePass], *, verify_each: bool = True,
+                 instruments: list[Instrument] | None = None):
+        self.passes = parse_pipeline(pipeline) if isinstance(pipeline, str) else list(pipeline)
+        self.verify_each = verify_each
+        self.instruments = list(instruments or [])
+
+    def __str__(self) -> str:
+        return print_pipeline(self.passes)
+
+    def run(self, program: Program, ctx: PassContext | None = None) -> PipelineResult:
+        ctx = ctx or PassContext()
+        results = []
+        for i, p in enumerate(self.passes):
+            for inst in self.instruments:
+                inst.before(p, program)
+            try:
+                result = p.apply(ctx, program)
+            except Exception as exc:
+                raise PassFailure(p, self.passes[:i], exc, "failed") from exc
+            ctx.keep_only(p.preserves)
+            if self.verify_each:
+                try:
+                    verify(program)
+                except ValueError as exc:
+                    raise PassFailure(p, self.passes[:i], exc, "left an invalid program") from exc
+            for inst in self.instruments:
+                inst.after(p, program, result)
+            results.append((p, result))
+        return PipelineResult(results)

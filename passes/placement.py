@@ -1,0 +1,41 @@
+"""Where each anchored launch chain goes, decided one gather at a time on a live schedule.
+
+Shared by `budget` (which plans on a scratch copy to decide what fits) and `prefetch`
+(which applies the plan). A chain goes just before the later of its anchor and the slot
+after its latest predecessor — legality is read off the graph's edges, nothing else.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+from ..ir import Launch, Program, Schedule
+from .gathers import Gather, GatherAnalysis
+
+NO_EARLIER_SLOT = "no earlier legal slot"
+
+
+def plan(program: Program, analysis: GatherAnalysis, schedule: Schedule,
+         admit: Callable[[Gather, str], str | None] = lambda g, t: None
+         ) -> Iterator[tuple[Gather, str | None, str | None]]:
+    """Move anchored, unheld chains on `schedule`; yield (gather, target, reason it stayed)."""
+    graph = program.graph
+    pos = schedule.index
+    for g in analysis.gathers:
+        op: Launch = program.op(g.launch)
+        if op.anchor is None or op.hold is not None:
+            continue
+        chain = set(g.chain)
+        position = pos(op.anchor)
+        for name in g.chain:
+            for pred in graph.pred[name]:
+                if pred not in chain:
+                    position = max(position, pos(pred) + 1)
+        if position >= pos(g.chain[0]):
+            yield g, None, NO_EARLIER_SLOT
+            continue
+        target = schedule[position]
+        reason = admit(g, target)
+        if reason is None:
+            schedule.move_before(list(g.chain), target)
+        yield g, target, reason

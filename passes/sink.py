@@ -1,0 +1,42 @@
+"""sink: move each gather's waits, views and copy-outs down to just before their first use.
+
+Latest first, each realization node with users goes just before the earliest of its
+successors (data and effect: barriers, the phase marker and frees bound it through their
+edges) and of the realization node after it, so independent branches keep their order.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from ..ir import Program
+from .base import ModulePass, PassContext, PassResult, register_pass
+from .gathers import GatherAnalysis
+
+
+@register_pass
+@dataclasses.dataclass(frozen=True)
+class Sink(ModulePass):
+    name = "sink"
+    preserves = (GatherAnalysis,)
+
+    def apply(self, ctx: PassContext, program: Program) -> PassResult:
+        analysis = ctx.get(GatherAnalysis, program)
+        schedule = program.schedule
+        pos = schedule.index
+        succ = program.graph.succ
+        sunk = 0
+        for g in analysis.gathers:
+            after = None
+            for name in reversed(g.realization):
+                if not program.users(name):
+                    continue
+                bounds = list(succ[name])
+                if after is not None:
+                    bounds.append(after)
+                target = min(bounds, key=pos)
+                if pos(target) > pos(name) + 1:
+                    schedule.move_before([name], target)
+                    sunk += 1
+                after = name
+        return PassResult(sunk > 0, {"sunk": sunk})
