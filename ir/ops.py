@@ -119,7 +119,8 @@ class Launch(Op):
     """A collective launch. `role` is set for FSDP collectives; others keep their relative order.
 
     `nbytes` is None when the size is unknown. `anchor` names the node the launch should
-    go just before (set by an anchoring pass); `hold` says why the launch stays where it is.
+    go just before (set by an anchoring pass); `hold` says why the launch stays where it is;
+    `prefetched` is set once a pass has moved it there.
     """
 
     target: str = ""
@@ -130,6 +131,7 @@ class Launch(Op):
     bucket: str | None = None
     anchor: str | None = None
     hold: str | None = None
+    prefetched: bool = False
 
     @property
     def is_gather(self) -> bool:

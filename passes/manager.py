@@ -72,6 +72,7 @@ def make_pass(name: str, options: str | None = None) -> ModulePass:
 
 def _convert(pass_name: str, key: str, field: dataclasses.Field, raw: str):
     kind = type(field.default)
+    article = "an" if kind.__name__[0] in "aeiou" else "a"
     try:
         if kind is bool:
             if raw not in ("true", "false"):
@@ -83,7 +84,7 @@ def _convert(pass_name: str, key: str, field: dataclasses.Field, raw: str):
             return float(raw)
         return raw
     except ValueError:
-        raise PipelineError(f"pass {pass_name!r}: option {key!r} wants {"an" if kind.__name__[0] in "aeiou" else "a"} {kind.__name__}, got {raw!r}") from None
+        raise PipelineError(f"pass {pass_name!r}: option {key!r} wants {article} {kind.__name__}, got {raw!r}") from None
 
 
 def print_pipeline(passes: list[ModulePass]) -> str:
