@@ -2,7 +2,8 @@
 
 Rules (each edge's `why`): `free` — every reader of a storage, through its views, precedes
 the free; `regather` — a gather follows the latest earlier free of each of its parameters;
-`collective-order` — non-gather collectives keep their relative order; `barrier` — nothing
+`collective-order` — non-gather collectives keep their relative order; `rng-order` —
+random ops keep theirs (they share the generator); `barrier` — nothing
 crosses a barrier; `phase` — forward before `^backward` before backward; `entry`/`output` —
 inputs first, output last. Edges are a transitive reduction where that is cheap, so the
 graph stays O(N).
@@ -10,7 +11,7 @@ graph stays O(N).
 
 from __future__ import annotations
 
-from .ops import Barrier, Free, Input, Launch, Marker, Op, Output, Phase, View
+from .ops import Barrier, Compute, Free, Input, Launch, Marker, Op, Output, Phase, View
 from .program import DATA, Program
 
 ENTRY = "^entry"
@@ -78,10 +79,14 @@ def derive_effects(program: Program) -> None:
                     program.add_effect(reader, name, "free")
 
     last_free: dict[str, str] = {}
-    previous_collective = None
+    previous_collective = previous_random = None
     for name in order:
         op = ops[name]
-        if isinstance(op, Free):
+        if isinstance(op, Compute) and op.random:
+            if previous_random is not None:
+                program.add_effect(previous_random, name, "rng-order")
+            previous_random = name
+        elif isinstance(op, Free):
             for param in op.params:
                 last_free[param] = name
         elif isinstance(op, Launch):

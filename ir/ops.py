@@ -83,9 +83,12 @@ class Marker(Op):
 @irop("compute")
 @attrs.frozen(kw_only=True)
 class Compute(Op):
+    """Any other computation. `random` ones draw from the RNG, so they keep their relative order."""
+
     target: str = ""
     heavy: bool = False
     attention: bool = False
+    random: bool = False
 
 
 @irop("cast")

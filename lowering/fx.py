@@ -124,14 +124,15 @@ class _Lowering:
         if _is_view(node):
             return View(target=target, **base)
         schema = _schema(node)
-        if node.is_impure():
+        if node.is_impure(impure_random=False):
             return Barrier(target=target, reason="mutation" if schema is not None and schema.is_mutable
                            else "side effect", **base)
         if schema is not None and schema.name in CAST_OPS:
             return Cast(target=target, **base)
         attention = node.op == "call_function" and any(a in target for a in ATTENTION_NAMES)
         heavy = attention or (node.op == "call_function" and target.rsplit(".", 1)[0] in HEAVY_OPS)
-        return Compute(target=target, heavy=heavy, attention=attention, **base)
+        random = isinstance(node.target, torch._ops.OpOverload) and torch.Tag.nondeterministic_seeded in node.target.tags
+        return Compute(target=target, heavy=heavy, attention=attention, random=random, **base)
 
     def gather(self, node: fx.Node, target: str, role: Role, base: dict) -> Launch:
         users = list(node.users)
