@@ -2,7 +2,8 @@
 
 from .effects import BACKWARD, ENTRY, derive_effects, storage_readers, storage_root
 from .ops import (OP_KINDS, REALIZATION_KINDS, Barrier, Cast, Compute, CopyOut, Free, Input,
-                  Launch, Marker, Op, Output, Phase, Role, View, Wait, irop)
+                  Launch, Marker, Op, Output, Phase, Role, TensorType, View, Wait, irop)
+from .ops import DTYPE_BYTES
 from .program import DATA, EFFECT, Program, Schedule
 from .text import ParseError, parse_program, print_op, print_program
 from .verify import VerifyError, verify
@@ -10,7 +11,7 @@ from .verify import VerifyError, verify
 __all__ = [
     "BACKWARD", "DATA", "EFFECT", "ENTRY", "OP_KINDS", "REALIZATION_KINDS", "Barrier", "Cast",
     "Compute", "CopyOut", "Free", "Input", "Launch", "Marker", "Op", "Output", "ParseError",
-    "Phase", "Program", "Role", "Schedule", "VerifyError", "View", "Wait", "derive_effects",
+    "Phase", "Program", "Role", "Schedule", "TensorType", "DTYPE_BYTES", "VerifyError", "View", "Wait", "derive_effects",
     "irop", "parse_program", "print_op", "print_program", "storage_readers", "storage_root",
     "verify",
 ]

@@ -44,6 +44,40 @@ def irop(keyword: str, *, movable: bool = True, effect: bool = False):
     return register
 
 
+DTYPE_BYTES = {"f64": 8, "f32": 4, "f16": 2, "bf16": 2, "f8e4m3": 1, "f8e5m2": 1, "c64": 8, "c128": 16,
+               "i64": 8, "i32": 4, "i16": 2, "i8": 1, "u8": 1, "b1": 1, "none": 0}
+
+
+@attrs.frozen
+class TensorType:
+    """What a value is: a dtype (short name, see DTYPE_BYTES) and a shape (-1: unknown extent).
+
+    `none` stands for a non-tensor element of a multi-output op.
+    """
+
+    dtype: str
+    shape: tuple[int, ...] = attrs.field(default=(), converter=tuple)
+
+    @property
+    def numel(self) -> int | None:
+        n = 1
+        for d in self.shape:
+            if d < 0:
+                return None
+            n *= d
+        return n
+
+    @property
+    def nbytes(self) -> int | None:
+        numel = self.numel
+        return None if numel is None else numel * DTYPE_BYTES.get(self.dtype, 4)
+
+    def __str__(self) -> str:
+        if self.dtype == "none":
+            return "none"
+        return f"{self.dtype}[{','.join('?' if d < 0 else str(d) for d in self.shape)}]"
+
+
 @attrs.frozen(kw_only=True)
 class Op:
     KIND: ClassVar[str] = "op"
@@ -53,10 +87,17 @@ class Op:
     name: str
     operands: tuple[str, ...] = attrs.field(default=(), converter=tuple)
     phase: Phase = Phase.FORWARD
+    #: the result's type(s): one per output; empty when unknown
+    types: tuple[TensorType, ...] = attrs.field(default=(), converter=tuple)
+
+    @property
+    def nbytes_out(self) -> int:
+        """Bytes of all known tensor outputs (unknown extents count 0)."""
+        return sum(t.nbytes or 0 for t in self.types)
 
     def fields(self) -> dict[str, object]:
-        """Kind-specific fields (everything but name, operands and phase), in declaration order."""
-        skip = {"name", "operands", "phase"}
+        """Kind-specific fields (everything but name, operands, phase and types), in declaration order."""
+        skip = {"name", "operands", "phase", "types"}
         return {f.name: getattr(self, f.name) for f in attrs.fields(type(self)) if f.name not in skip}
 
 

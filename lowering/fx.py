@@ -11,8 +11,8 @@ import operator
 import torch
 from torch import fx
 
-from ..ir import (Barrier, Cast, Compute, CopyOut, Free, Input, Launch, Op, Output, Phase, Program,
-                  Role, Schedule, View, Wait, derive_effects)
+from ..ir import (DTYPE_BYTES, Barrier, Cast, Compute, CopyOut, Free, Input, Launch, Op, Output, Phase, Program,
+                  Role, Schedule, TensorType, View, Wait, derive_effects)
 
 GATHER_TAGS = {"fsdp_all_gather": Role.GATHER, "fsdp_all_gather_backward": Role.REGATHER}
 FREE_TAGS = ("fsdp_reshard_free", "fsdp_reshard_free_backward")
@@ -52,12 +52,50 @@ def _is_wait(node: fx.Node) -> bool:
     return schema is not None and _is_collective(node) and schema.name.endswith("::wait_tensor")
 
 
+def _packet_mutates(node: fx.Node) -> bool:
+    """An overload packet (`aten.add_`) doesn't say which overload runs: it mutates if one of them
+    writes a positional argument, or a keyword one (`out=`) that the call passes."""
+    target = node.target
+    if node.op != "call_function" or not isinstance(target, torch._ops.OpOverloadPacket):
+        return False
+    return any(arg.alias_info is not None and arg.alias_info.is_write and (not arg.kwarg_only or arg.name in node.kwargs)
+               for name in target.overloads() for arg in getattr(target, name)._schema.arguments)
+
+
 def _is_view(node: fx.Node) -> bool:
     if node.op == "call_function" and node.target is operator.getitem:
         return True
     schema = _schema(node)
     return (schema is not None and not schema.is_mutable and bool(schema.returns)
             and schema.returns[0].alias_info is not None and not schema.returns[0].alias_info.is_write)
+
+
+_DTYPES = {torch.float64: "f64", torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16",
+           torch.complex64: "c64", torch.complex128: "c128", torch.int64: "i64", torch.int32: "i32",
+           torch.int16: "i16", torch.int8: "i8", torch.uint8: "u8", torch.bool: "b1"}
+for _name, _short in (("float8_e4m3fn", "f8e4m3"), ("float8_e5m2", "f8e5m2")):
+    if hasattr(torch, _name):
+        _DTYPES[getattr(torch, _name)] = _short
+
+
+def _type(value) -> TensorType:
+    if not isinstance(value, torch.Tensor):
+        return TensorType("none")
+    shape = tuple(d if isinstance(d, int) else -1 for d in value.shape)
+    if value.dtype not in _DTYPES:  # a dtype the IR has no short name for: teach it the long one
+        _DTYPES[value.dtype] = str(value.dtype).removeprefix("torch.")
+        DTYPE_BYTES.setdefault(_DTYPES[value.dtype], value.dtype.itemsize)
+    return TensorType(_DTYPES[value.dtype], shape)
+
+
+def value_types(node: fx.Node) -> tuple[TensorType, ...]:
+    """The types of `meta["val"]` (a tensor, or a tuple/list of them); empty when absent."""
+    value = node.meta.get("val")
+    if value is None:
+        return ()
+    if isinstance(value, (tuple, list)):
+        return tuple(_type(v) for v in value)
+    return (_type(value),)
 
 
 def _nbytes(node: fx.Node, notes: list[str]) -> int | None:
@@ -91,10 +129,12 @@ class _Lowering:
         return Phase.FORWARD
 
     def lower(self, node: fx.Node) -> Op:
-        base = {"name": node.name, "operands": tuple(n.name for n in node.all_input_nodes)}
+        base = {"name": node.name, "operands": tuple(n.name for n in node.all_input_nodes),
+                "types": value_types(node)}
         if node.op in ("placeholder", "get_attr"):
             return Input(target=str(node.target), **base)
         if node.op == "output":
+            base["types"] = ()
             return Output(**base)
         base["phase"] = self.phase(node)
         target = target_name(node)
@@ -124,13 +164,13 @@ class _Lowering:
         if _is_view(node):
             return View(target=target, **base)
         schema = _schema(node)
-        if node.is_impure(impure_random=False):
-            return Barrier(target=target, reason="mutation" if schema is not None and schema.is_mutable
-                           else "side effect", **base)
+        mutates = (schema is not None and schema.is_mutable) or _packet_mutates(node)
+        if node.is_impure(impure_random=False) or mutates:
+            return Barrier(target=target, reason="mutation" if mutates else "side effect", **base)
         if schema is not None and schema.name in CAST_OPS:
             return Cast(target=target, **base)
         attention = node.op == "call_function" and any(a in target for a in ATTENTION_NAMES)
-        heavy = attention or (node.op == "call_function" and target.rsplit(".", 1)[0] in HEAVY_OPS)
+        heavy = attention or (node.op == "call_function" and (target in HEAVY_OPS or target.rsplit(".", 1)[0] in HEAVY_OPS))
         random = isinstance(node.target, torch._ops.OpOverload) and torch.Tag.nondeterministic_seeded in node.target.tags
         return Compute(target=target, heavy=heavy, attention=attention, random=random, **base)
 

@@ -33,22 +33,24 @@ class PassResult:
 
 
 class Analysis:
-    """Base for analyses: `compute(program)` builds one from the program as it is now."""
+    """Base for analyses: `compute(program, ctx)` builds one from the program as it is now."""
 
     @classmethod
-    def compute(cls, program: Program) -> Analysis:
+    def compute(cls, program: Program, ctx: PassContext) -> Analysis:
         raise NotImplementedError
 
 
 class PassContext:
-    """Caches analyses of one program between passes."""
+    """Caches analyses of one program between passes; `options` holds what analyses need
+    from outside the program (e.g. a cost model), the same for every pass of a run."""
 
-    def __init__(self):
+    def __init__(self, **options: Any):
         self._cache: dict[type[Analysis], Analysis] = {}
+        self.options = options
 
     def get(self, kind: type[Analysis], program: Program):
         if kind not in self._cache:
-            self._cache[kind] = kind.compute(program)
+            self._cache[kind] = kind.compute(program, self)
         return self._cache[kind]
 
     def keep_only(self, preserved: tuple[type[Analysis], ...]) -> None:

@@ -27,7 +27,7 @@ class GatherAnalysis(Analysis):
     unconsumed: tuple[str, ...]   # gather launches whose realization nobody reads
 
     @classmethod
-    def compute(cls, program: Program) -> GatherAnalysis:
+    def compute(cls, program: Program, ctx=None) -> GatherAnalysis:
         gathers, unconsumed = [], []
         pos = program.schedule.index
         for name in program.schedule:
