@@ -1,0 +1,1 @@
+"""Cost model, schedule simulator and timelines over the IR (imports ir/ only)."""

@@ -1,0 +1,1 @@
+"""Integrations with compiler stacks (torch.compile / Inductor custom passes)."""
