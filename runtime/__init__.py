@@ -1,0 +1,5 @@
+"""Runners that execute fxsched graphs on local gloo process groups."""
+
+from .gloo import RankFailure, graph_group_names, run_graph, run_graph_single, run_ranks
+
+__all__ = ["RankFailure", "graph_group_names", "run_graph", "run_graph_single", "run_ranks"]
