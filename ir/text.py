@@ -4,11 +4,12 @@
     ^entry
     %ag = launch "all_gather_into_tensor"(%w) {role = fsdp_all_gather, nbytes = 4096, params = ["w"]}
     %wt = wait(%ag)
-    %mm = compute "aten.mm"(%x, %wt) {heavy}
+    %mm = compute "aten.mm"(%x, %wt) {heavy} : f32[8,16]
     ^backward
     %output = output(%mm)
 
-One op per line in schedule order; ops after `^backward` are backward (an op may say `fwd`
+One op per line in schedule order, with its result type(s) after `:` when known (`?` is an
+unknown extent, `none` a non-tensor output); ops after `^backward` are backward (an op may say `fwd`
 or `bwd` to differ). Effect edges are derived from the rules on parse; `effect %a -> %b`
 lines add more. `//` starts a comment.
 """
@@ -21,7 +22,7 @@ import re
 import attrs
 
 from .effects import BACKWARD, derive_effects
-from .ops import OP_KINDS, Marker, Op, Phase, Role
+from .ops import DTYPE_BYTES, OP_KINDS, Marker, Op, Phase, Role, TensorType
 from .program import DATA, Program, Schedule
 
 
@@ -47,6 +48,7 @@ def _value(value) -> str:
 
 
 enum_types = (Role, Phase)
+EXPLICIT = "explicit"
 
 
 def _ref(name: str) -> str:
@@ -73,16 +75,20 @@ def print_op(op: Op, region: Phase = Phase.FORWARD, with_phase: bool = True) -> 
         if value is True:
             attrs_out.append(key)
         elif key == "anchor":
-            attrs_out.append(f"anchor = %{value}")
+            attrs_out.append(f"anchor = {_ref(value)}")
         else:
             attrs_out.append(f"{key} = {_value(value)}")
     if attrs_out:
         head += " {" + ", ".join(attrs_out) + "}"
+    if op.types:
+        types = ", ".join(str(t) for t in op.types)
+        head += f" : {types}" if len(op.types) == 1 else f" : ({types})"
     return head
 
 
 def print_program(program: Program, effects: bool = False) -> str:
-    """Ops in schedule order; with `effects`, the derived effect edges follow as comments."""
+    """Ops in schedule order, then `effect` lines for explicit edges (the derived ones are
+    derived again on parse); with `effects`, the derived effect edges follow as comments."""
     lines = []
     region = Phase.FORWARD
     for name in program.schedule:
@@ -90,9 +96,12 @@ def print_program(program: Program, effects: bool = False) -> str:
         if name == BACKWARD:
             region = Phase.BACKWARD
         lines.append(print_op(op, region))
+    edges = sorted(program.effect_edges(), key=lambda e: (program.schedule.index(e[1]), e[0]))
+    lines.extend(f"effect {_ref(u)} -> {_ref(v)}" for u, v, why in edges if why == EXPLICIT)
     if effects:
-        for u, v, why in sorted(program.effect_edges(), key=lambda e: (program.schedule.index(e[1]), e[0])):
-            lines.append(f"// effect {_ref(u)} -> {_ref(v)} ({why})")
+        for u, v, why in edges:
+            if why != EXPLICIT:
+                lines.append(f"// effect {_ref(u)} -> {_ref(v)} ({why})")
     return "\n".join(lines) + "\n"
 
 
@@ -102,7 +111,7 @@ _TOKEN = re.compile(r"""
     (?P<space>\s+) | (?P<comment>//.*) |
     (?P<ref>%[A-Za-z_][\w.\-]*) | (?P<marker>\^[A-Za-z_]\w*) |
     (?P<string>"(?:[^"\\]|\\.)*") | (?P<number>-?\d+) |
-    (?P<arrow>->) | (?P<ident>[A-Za-z_][\w.]*) | (?P<punct>[=(){}\[\],])
+    (?P<arrow>->) | (?P<ident>[A-Za-z_][\w.]*) | (?P<punct>[=(){}\[\],:?])
 """, re.VERBOSE)
 
 
@@ -154,6 +163,9 @@ def _parse_value(line: _Line):
     if kind == "ref":
         line.i += 1
         return value[1:]
+    if kind == "marker":
+        line.i += 1
+        return value
     if kind == "ident":
         line.i += 1
         return {"true": True, "false": False}.get(value, value)
@@ -174,9 +186,61 @@ def _convert(cls: type[Op], key: str, value, line: _Line, column_at: int):
         except ValueError:
             line.i = column_at
             line.error(f"unknown role {value!r}; roles: {[r.value for r in Role]}")
-    if key in ("bucket", "group") and isinstance(value, int):
+    if key in ("bucket", "group") and isinstance(value, int) and not isinstance(value, bool):
         return str(value)
+    declared = str(attrs.fields_dict(cls)[key].type)
+    if not any(_is_a(value, part.strip()) for part in declared.split("|")):
+        line.i = column_at
+        line.error(f"{cls.KIND} attribute {key!r} takes {declared}, not {_value(value)}")
     return value
+
+
+def _is_a(value, declared: str) -> bool:
+    """Does a parsed value fit a field's declared type (as written in ir/ops.py)?"""
+    if declared == "bool":
+        return isinstance(value, bool)
+    if declared == "int":
+        return isinstance(value, int) and not isinstance(value, bool)
+    if declared == "str":
+        return isinstance(value, str)
+    if declared == "tuple[str, ...]":
+        return isinstance(value, tuple) and all(isinstance(v, str) for v in value)
+    return False
+
+
+def _parse_types(line: _Line) -> tuple[TensorType, ...]:
+    """`f32[3,4]`, `none`, or a parenthesised list of them."""
+    if line.accept("punct", "("):
+        types = [_parse_type(line)]
+        while line.accept("punct", ","):
+            types.append(_parse_type(line))
+        line.take("punct", ")")
+        return tuple(types)
+    return (_parse_type(line),)
+
+
+def _parse_type(line: _Line) -> TensorType:
+    at = line.i
+    dtype = line.take("ident")
+    if dtype == "none":
+        return TensorType("none")
+    if dtype not in DTYPE_BYTES:
+        line.i = at
+        line.error(f"unknown dtype {dtype!r}; dtypes: {sorted(DTYPE_BYTES)}")
+    line.take("punct", "[")
+    dims: list[int] = []
+    while not line.accept("punct", "]"):
+        if dims:
+            line.take("punct", ",")
+        dims.append(-1 if line.accept("punct", "?") else int(line.take("number")))
+    return TensorType(dtype, tuple(dims))
+
+
+def _take_node(line: _Line) -> str:
+    """A `%name` or `^marker` reference; returns the node name."""
+    if line.peek()[0] == "marker":
+        return line.take("marker")
+    return line.take("ref")[1:]
 
 
 def _parse_op(line: _Line, region: Phase) -> Op:
@@ -188,7 +252,8 @@ def _parse_op(line: _Line, region: Phase) -> Op:
     if cls is None or cls is Marker:
         line.i = at
         line.error(f"unknown op kind {keyword!r}; kinds: {sorted(k for k in OP_KINDS if k != 'marker')}")
-    kwargs: dict = {"name": name, "phase": region}
+    # inputs and the output belong to no phase: they keep the default, as lowering gives them
+    kwargs: dict = {"name": name, "phase": Phase.FORWARD if cls.KIND in ("input", "output") else region}
     if line.peek()[0] == "string":
         kwargs["target"] = json.loads(line.take("string"))
     operands = []
@@ -198,7 +263,7 @@ def _parse_op(line: _Line, region: Phase) -> Op:
                 line.take("punct", ",")
             operands.append(line.take("ref")[1:])
     kwargs["operands"] = tuple(operands)
-    known = {f.name for f in attrs.fields(cls)} - {"name", "operands", "phase"}
+    known = {f.name for f in attrs.fields(cls)} - {"name", "operands", "phase", "types"}
     if line.accept("punct", "{"):
         first = True
         while not line.accept("punct", "}"):
@@ -217,7 +282,9 @@ def _parse_op(line: _Line, region: Phase) -> Op:
                 value_at = line.i
                 kwargs[key] = _convert(cls, key, _parse_value(line), line, value_at)
             else:
-                kwargs[key] = True
+                kwargs[key] = _convert(cls, key, True, line, at)
+    if line.accept("punct", ":"):
+        kwargs["types"] = _parse_types(line)
     if line.peek()[0] != "end":
         line.error(f"unexpected {line.peek()[1]!r} after the op")
     try:
@@ -249,9 +316,11 @@ def parse_program(text: str) -> Program:
             op: Op = Marker(name=value, phase=region)
         elif kind == "ident" and value == "effect":
             line.i += 1
-            before = line.take("ref")[1:]
+            before = _take_node(line)
             line.take("arrow")
-            after = line.take("ref")[1:]
+            after = _take_node(line)
+            if line.peek()[0] != "end":
+                line.error(f"unexpected {line.peek()[1]!r} after the effect")
             explicit.append((before, after, line))
             continue
         else:
@@ -273,8 +342,8 @@ def parse_program(text: str) -> Program:
     derive_effects(program)
     for before, after, line in explicit:
         for ref in (before, after):
-            if ref not in defined:
-                line.i = next(i for i, t in enumerate(line.tokens) if t[1] == f"%{ref}")
-                line.error(f"%{ref} is not defined")
-        program.add_effect(before, after, "explicit")
+            if ref not in program.graph:  # markers may be added by derive_effects
+                line.i = next(i for i, t in enumerate(line.tokens) if t[1] in (ref, f"%{ref}"))
+                line.error(f"{ref if ref.startswith('^') else '%' + ref} is not defined")
+        program.add_effect(before, after, EXPLICIT)
     return program

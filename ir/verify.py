@@ -54,7 +54,7 @@ def _structure(program: Program) -> list[str]:
             if len(op.operands) != 1 or len(launches) != 1:
                 problems.append(f"%{name}: a wait must have exactly one operand, a launch; has {list(op.operands)}")
         elif isinstance(op, Launch):
-            waits = [u for u in graph.succ[name] if isinstance(program.op(u), Wait)]
+            waits = [u for u, e in graph.succ[name].items() if e["kind"] == DATA and isinstance(program.op(u), Wait)]
             if len(waits) != 1:
                 problems.append(f"%{name}: a launch must have exactly one wait; has {len(waits)}")
     return problems
@@ -68,8 +68,9 @@ def _schedule(program: Program) -> list[str]:
     if len(names) != len(set(names)) or set(names) != set(graph.nodes):
         missing = sorted(set(graph.nodes) - set(names))[:5]
         extra = sorted(set(names) - set(graph.nodes))[:5]
-        dup = len(names) - len(set(names))
-        return [f"schedule is not a permutation of the nodes: missing {missing}, unknown {extra}, {dup} repeated"]
+        seen: set[str] = set()
+        repeated = sorted({n for n in names if n in seen or seen.add(n)})[:5]
+        return [f"schedule is not a permutation of the nodes: missing {missing}, unknown {extra}, repeated {repeated}"]
     pos = schedule.index
     for u, v, e in graph.edges(data=True):
         if pos(u) >= pos(v):
