@@ -1,11 +1,12 @@
 """Turn every ordering rule into an explicit effect edge, once, from the program's first order.
 
 Rules (each edge's `why`): `free` — every reader of a storage, through its views, precedes
-the free; `regather` — a gather follows the latest earlier free of each of its parameters;
+the free (a reader after its free is an error: the input graph reads freed memory);
+`regather` — a gather follows the latest earlier free of each of its parameters;
 `collective-order` — non-gather collectives keep their relative order; `rng-order` —
 random ops keep theirs (they share the generator); `barrier` — nothing
 crosses a barrier; `phase` — forward before `^backward` before backward; `entry`/`output` —
-inputs first, output last. Edges are a transitive reduction where that is cheap, so the
+inputs first and in their order, output last. Edges are a transitive reduction where that is cheap, so the
 graph stays O(N).
 """
 
@@ -16,6 +17,10 @@ from .program import DATA, Program
 
 ENTRY = "^entry"
 BACKWARD = "^backward"
+
+
+class EffectError(ValueError):
+    """The program's first order already breaks a rule (so no schedule could keep it)."""
 
 
 def storage_root(program: Program, name: str) -> str:
@@ -71,12 +76,17 @@ def derive_effects(program: Program) -> None:
     order = program.schedule.names()
     ops = {n: graph.nodes[n]["op"] for n in order}
 
+    index = {n: i for i, n in enumerate(order)}
     for name in order:  # free: readers of the storage first
         op = ops[name]
         if isinstance(op, Free) and op.operands:
             for reader in sorted(storage_readers(program, storage_root(program, op.operands[0]))):
-                if reader != name:
-                    program.add_effect(reader, name, "free")
+                if reader == name or isinstance(ops[reader], Free):  # freeing twice reads nothing
+                    continue
+                if index[reader] > index[name]:
+                    raise EffectError(f"%{reader} reads storage that %{name} freed before it "
+                                      f"(use after free in the input graph)")
+                program.add_effect(reader, name, "free")
 
     last_free: dict[str, str] = {}
     previous_collective = previous_random = None
@@ -141,6 +151,11 @@ def _phase_edges(program: Program, order: list[str], ops: dict[str, Op]) -> None
 def _boundary_edges(program: Program, order: list[str], ops: dict[str, Op]) -> None:
     graph = program.graph
     outputs = [n for n in order if isinstance(ops[n], Output)]
+    inputs = [n for n in order if isinstance(ops[n], Input)]
+    for before, after in zip(inputs, inputs[1:]):  # the raised function keeps its signature
+        program.add_effect(before, after, "entry")
+    if inputs:
+        program.add_effect(inputs[-1], ENTRY, "entry")
     for name in order:
         op = ops[name]
         if isinstance(op, Input) or name == ENTRY:

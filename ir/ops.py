@@ -162,13 +162,15 @@ class CopyOut(Op):
 class Launch(Op):
     """A collective launch. `role` is set for FSDP collectives; others keep their relative order.
 
-    `nbytes` is None when the size is unknown. `anchor` names the node the launch should
+    `nbytes` is None when the size is unknown; `group_size` is the number of ranks in the
+    process group (None when unknown). `anchor` names the node the launch should
     go just before (set by an anchoring pass); `hold` says why the launch stays where it is;
     `prefetched` is set once a pass has moved it there.
     """
 
     target: str = ""
     group: str | None = None
+    group_size: int | None = None
     role: Role | None = None
     nbytes: int | None = None
     params: tuple[str, ...] = attrs.field(default=(), converter=tuple)

@@ -74,8 +74,8 @@ def _schedule(program: Program) -> list[str]:
     pos = schedule.index
     for u, v, e in graph.edges(data=True):
         if pos(u) >= pos(v):
-            rule = e["kind"] if e["kind"] == DATA else f"effect ({e['why']})"
-            problems.append(f"%{v}: scheduled before %{u}, which it must follow by a {rule} edge")
+            rule = "a data edge" if e["kind"] == DATA else f"an effect edge ({e['why']})"
+            problems.append(f"%{v}: scheduled before %{u}, which it must follow by {rule}")
     seen_backward = None
     for name in names:
         op = program.op(name)

@@ -6,12 +6,13 @@ gather stays where it is, or the node becomes a barrier) recorded in `program.no
 
 from __future__ import annotations
 
+import gc
 import operator
 
 import torch
 from torch import fx
 
-from ..ir import (DTYPE_BYTES, Barrier, Cast, Compute, CopyOut, Free, Input, Launch, Op, Output, Phase, Program,
+from ..ir import (DTYPE_BYTES, Barrier, EffectError, Cast, Compute, CopyOut, Free, Input, Launch, Op, Output, Phase, Program,
                   Role, Schedule, TensorType, View, Wait, derive_effects)
 
 GATHER_TAGS = {"fsdp_all_gather": Role.GATHER, "fsdp_all_gather_backward": Role.REGATHER}
@@ -155,7 +156,7 @@ class _Lowering:
             if comm_type in GATHER_TAGS:
                 self.notes.append(f"%{node.name}: comm_type={comm_type!r} on {target}: not a gather, kept in order")
             role = Role.REDUCE_SCATTER if comm_type == REDUCE_SCATTER_TAG else None
-            return Launch(target=target, group=_group(node), role=role, **base)
+            return Launch(target=target, group=_group(node), group_size=_group_size(node), role=role, **base)
         if comm_type in GATHER_TAGS:
             self.notes.append(f"%{node.name}: comm_type={comm_type!r} on {target}, not a collective: ignored")
         if node.op == "call_function" and node.target is torch.ops.aten.clone.default \
@@ -164,7 +165,10 @@ class _Lowering:
         if _is_view(node):
             return View(target=target, **base)
         schema = _schema(node)
-        mutates = (schema is not None and schema.is_mutable) or _packet_mutates(node)
+        mutates = ((schema is not None and schema.is_mutable) or _packet_mutates(node)
+                   # an in-place method (`x.add_(y)`) by Python's naming convention
+                   or (node.op == "call_method" and str(node.target).endswith("_")
+                       and not str(node.target).startswith("_")))
         if node.is_impure(impure_random=False) or mutates:
             return Barrier(target=target, reason="mutation" if mutates else "side effect", **base)
         if schema is not None and schema.name in CAST_OPS:
@@ -198,7 +202,8 @@ class _Lowering:
             else:
                 self.notes.append(f"%{node.name}: param_name={name!r} is not a name: not moved")
                 params, hold = (), "no parameter name"
-        return Launch(target=target, group=_group(node), role=role, nbytes=_nbytes(node, self.notes),
+        return Launch(target=target, group=_group(node), group_size=_group_size(node), role=role,
+                      nbytes=_nbytes(node, self.notes),
                       params=params, bucket=bucket, hold=hold,
                       prefetched="fsdp_prefetch_anchor" in meta,  # moved by an earlier run
                       **base)
@@ -230,8 +235,32 @@ def _group(node: fx.Node) -> str | None:
     return None if value is None else str(value)
 
 
+def _group_size(node: fx.Node) -> int | None:
+    """The `group_size` argument of a functional collective (all_gather_into_tensor,
+    reduce_scatter_tensor, ...); None when the op has none or it is not a plain int."""
+    schema = _schema(node)
+    if schema is None:
+        return None
+    value = node.kwargs.get("group_size")
+    for arg, given in zip(schema.arguments, node.args):
+        if arg.name == "group_size":
+            value = given
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
+
+
 def lower(gm: fx.GraphModule) -> Program:
     """Lower `gm` (left untouched) into a verified-ready Program with all effect edges."""
+    # millions of long-lived small objects: generational GC finds nothing to free here
+    paused = gc.isenabled()
+    gc.disable()
+    try:
+        return _lower(gm)
+    finally:
+        if paused:
+            gc.enable()
+
+
+def _lower(gm: fx.GraphModule) -> Program:
     lowering = _Lowering(gm)
     program = Program(origin=gm)
     order = []
@@ -244,5 +273,8 @@ def lower(gm: fx.GraphModule) -> Program:
                              "treated as backward")
     program.notes[:0] = lowering.notes
     program.schedule = Schedule(order)
-    derive_effects(program)
+    try:
+        derive_effects(program)
+    except EffectError as exc:
+        raise LoweringError(str(exc)) from exc
     return program

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import gc
+
 from torch import fx
 
 from ..ir import Input, Marker, Program
@@ -13,6 +15,16 @@ class RaisingError(ValueError):
 
 def raise_program(program: Program, *, lint: bool = True) -> fx.GraphModule:
     """Copy each lowered FX node into a new graph in schedule order; markers vanish."""
+    paused = gc.isenabled()  # as in lowering: nothing for the collector to find, much to scan
+    gc.disable()
+    try:
+        return _raise(program, lint)
+    finally:
+        if paused:
+            gc.enable()
+
+
+def _raise(program: Program, lint: bool) -> fx.GraphModule:
     source = program.origin
     if not isinstance(source, fx.GraphModule):
         raise RaisingError("this program was not lowered from a GraphModule (parsed from text?): "

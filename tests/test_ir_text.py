@@ -224,7 +224,7 @@ def test_explicit_effect_lines_add_edges():
     assert ("b", "a", "explicit") in p.effect_edges()
     assert not p.graph.has_edge("a", "b")
     # the explicit edge is a real constraint: this order (a before b) now breaks it
-    with pytest.raises(Exception, match=r"%a: scheduled before %b, which it must follow by a effect \(explicit\)"):
+    with pytest.raises(Exception, match=r"%a: scheduled before %b, which it must follow by an effect edge \(explicit\)"):
         verify(p)
     # an effect line duplicating a data edge adds nothing
     q = parse_program("%x = input\n^entry\n%a = compute(%x)\n%output = output(%a)\neffect %x -> %a\n")

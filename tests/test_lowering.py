@@ -314,14 +314,23 @@ def test_collective_not_waited_exactly_once_is_a_barrier():
 
 def test_free_by_param_name_and_by_bucket_members():
     g = G()
-    ag, wt, sl, vw = g.gather(g.input("w"), param="w")
+    w = g.input("w")
+    ag, wt, sl, vw = g.gather(w, param="w")
     f1 = g.call(reshard_free, vw, comm_type="fsdp_reshard_free", param_name="w")
     f2 = g.call(reshard_free, wt, comm_type="fsdp_reshard_free_backward", fsdp_bucket_members=["a", "b"],
                 param_name="w", autograd_backward=True)
-    p = lower(g.output(sl))
+    p = lower(g.output(w))
     assert op(p, f1).params == ("w",) and op(p, f1).phase is Phase.FORWARD
     assert op(p, f2).params == ("a", "b") and op(p, f2).phase is Phase.BACKWARD
     assert p.notes == []
+
+
+def test_reader_after_its_free_is_a_lowering_error():
+    g = G()
+    ag, wt, sl, vw = g.gather(g.input("w"), param="w")
+    free = g.call(reshard_free, wt, comm_type="fsdp_reshard_free", param_name="w")
+    with pytest.raises(LoweringError, match=f"%output reads storage that %{free.name} freed before it"):
+        lower(g.output(sl))
 
 
 @pytest.mark.parametrize("name", [None, "", ["w"]], ids=repr)

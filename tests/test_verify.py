@@ -68,7 +68,7 @@ def test_valid_program_verifies_after_a_legal_move():
     reorder(program, "f", before="relu")  # %relu reads %mm, not the gathered storage
     verify(program)
     reorder(program, "out1", before="cp")  # but nothing crosses the barrier
-    assert problems(program) == ["%out1: scheduled before %cp, which it must follow by a effect (barrier) edge"]
+    assert problems(program) == ["%out1: scheduled before %cp, which it must follow by an effect edge (barrier)"]
 
 
 def test_cycle():
@@ -119,7 +119,7 @@ def test_schedule_breaking_an_effect_edge():
     program = valid()
     reorder(program, "f", before="mm")  # the free overtakes a reader of the storage through views
     found = problems(program)
-    assert "%f: scheduled before %mm, which it must follow by a effect (free) edge" in found
+    assert "%f: scheduled before %mm, which it must follow by an effect edge (free)" in found
 
 
 def test_schedule_breaking_the_collective_order():
@@ -135,7 +135,7 @@ def test_schedule_breaking_the_collective_order():
     verify(program)
     reorder(program, "rs2", before="rs1")
     (message,) = problems(program)
-    assert message == "%rs2: scheduled before %rs1, which it must follow by a effect (collective-order) edge"
+    assert message == "%rs2: scheduled before %rs1, which it must follow by an effect edge (collective-order)"
 
 
 def test_schedule_breaking_a_regather_edge():
@@ -144,7 +144,7 @@ def test_schedule_breaking_a_regather_edge():
     reorder(program, "rag", before="f")
     program.graph.nodes["rag"]["op"] = attrs.evolve(program.op("rag"), phase=Phase.FORWARD)
     found = problems(program)
-    assert "%rag: scheduled before %f, which it must follow by a effect (regather) edge" in found
+    assert "%rag: scheduled before %f, which it must follow by an effect edge (regather)" in found
 
 
 def test_wait_on_something_that_is_not_a_launch():
