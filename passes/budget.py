@@ -107,6 +107,14 @@ class _InFlight:
         self.tree = MaxTree(end + 1)
         self.limit = limit
         self.program = program
+        self.live: dict[str, tuple[int, int]] = {}  # launch -> its span in the tree now
+
+    def keep(self, g: Gather) -> None:
+        """Count a gather an earlier run moved as in flight where it is now."""
+        nbytes = self.program.op(g.launch).nbytes
+        if nbytes is not None:
+            self.live[g.launch] = self.span(g, g.launch)
+            self.tree.add(*self.live[g.launch], nbytes)
 
     def span(self, g: Gather, target: str) -> tuple[int, int]:
         # in flight from the gap its launch lands in until (not including) its first consumer
@@ -116,10 +124,17 @@ class _InFlight:
         nbytes = self.program.op(g.launch).nbytes
         if nbytes is None:
             return UNKNOWN_SIZE
+        old = self.live.pop(g.launch, None)  # moved by an earlier run, moving again: count it once
+        if old is not None:
+            self.tree.add(*old, -nbytes)
         lo, hi = self.span(g, target)
         if self.tree.max(lo, hi) + nbytes > self.limit:
+            if old is not None:
+                self.tree.add(*old, nbytes)
+                self.live[g.launch] = old
             return OVER_BUDGET
         self.tree.add(lo, hi, nbytes)
+        self.live[g.launch] = (lo, hi)
         for name in g.chain:  # the chain now sits in the target's gap
             self.gap[name] = lo
         return None
@@ -142,9 +157,8 @@ class Budget(ModulePass):
         stats = {"admitted": 0, OVER_BUDGET: 0, UNKNOWN_SIZE: 0, NO_EARLIER_SLOT: 0, "budget_bytes": limit}
         flight = _InFlight(program, analysis, limit)
         for g in analysis.gathers:  # gathers moved by an earlier run stay in flight
-            op = program.op(g.launch)
-            if op.prefetched and op.nbytes is not None:
-                flight.tree.add(flight.gap[g.launch], flight.span(g, g.launch)[1], op.nbytes)
+            if program.op(g.launch).prefetched:
+                flight.keep(g)
 
         def admit(g: Gather, target: str) -> str | None:
             return OVER_BUDGET if limit == 0 else flight.admit(g, target)

@@ -1,0 +1,198 @@
+"""budget: replicas launched early and not yet consumed never exceed max-in-flight-gb."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import tempfile
+import textwrap
+
+import pytest
+
+from fxsched.ir import parse_program, print_program, verify
+from fxsched.passes import PassContext, PassManager, parse_pipeline
+
+HALF_GIB = 2**29
+
+
+def dedent(text: str) -> str:
+    return textwrap.dedent(text).lstrip("\n")
+
+
+def filecheck(output: str, checks: str) -> None:
+    with tempfile.NamedTemporaryFile("w", suffix=".check", delete=False) as f:
+        f.write(dedent(checks))
+    result = subprocess.run([sys.executable, "-m", "filecheck", f.name], input=output, capture_output=True, text=True)
+    assert result.returncode == 0, f"filecheck failed:\n{result.stdout}{result.stderr}\n--- input ---\n{output}"
+
+
+def run(text: str, pipeline: str):
+    program = parse_program(dedent(text))
+    result = PassManager(pipeline).run(program)
+    return program, result
+
+
+def chain(sizes: list[int | None], backward: bool = False) -> str:
+    """Gathers a1.. (sizes in bytes, None = unknown), each read by one matmul m1.."""
+    role = "fsdp_all_gather_backward" if backward else "fsdp_all_gather"
+    lines = ["%x = input", *(f"%w{i} = input" for i in range(1, len(sizes) + 1)), "^entry"]
+    if backward:
+        lines.append("^backward")
+    prev = "%x"
+    for i, size in enumerate(sizes, 1):
+        nbytes = "" if size is None else f"nbytes = {size}, "
+        lines += [f'%a{i} = launch "ag"(%w{i}) {{role = {role}, {nbytes}params = ["w{i}"]}}',
+                  f"%t{i} = wait(%a{i})", f'%m{i} = compute "aten.mm"({prev}, %t{i}) {{heavy}}']
+        prev = f"%m{i}"
+    lines.append(f"%output = output({prev})")
+    return "\n".join(lines) + "\n"
+
+
+def holds(program) -> dict[str, str | None]:
+    return {op.name: op.hold for op in program.ops() if getattr(op, "is_gather", False)}
+
+
+def test_a_gather_whose_move_would_exceed_the_budget_stays():
+    """Depth 2: a2 and a3 launch before m1 (0.5 + 0.5 GiB = the budget: fits). a4 would launch
+    before m2, where a2 (read by m2) is still in flight: 1.5 GiB, over budget."""
+    program, result = run(chain([HALF_GIB] * 4), "anchor{forward-depth=2},budget,prefetch,sink")
+    assert print_program(program) == dedent('''
+        %x = input
+        %w1 = input
+        %w2 = input
+        %w3 = input
+        %w4 = input
+        ^entry
+        %a1 = launch "ag"(%w1) {role = fsdp_all_gather, nbytes = 536870912, params = ["w1"], hold = "first group"}
+        %a2 = launch "ag"(%w2) {role = fsdp_all_gather, nbytes = 536870912, params = ["w2"], anchor = %m1, prefetched}
+        %a3 = launch "ag"(%w3) {role = fsdp_all_gather, nbytes = 536870912, params = ["w3"], anchor = %m1, prefetched}
+        %t1 = wait(%a1)
+        %m1 = compute "aten.mm"(%x, %t1) {heavy}
+        %t2 = wait(%a2)
+        %m2 = compute "aten.mm"(%m1, %t2) {heavy}
+        %t3 = wait(%a3)
+        %m3 = compute "aten.mm"(%m2, %t3) {heavy}
+        %a4 = launch "ag"(%w4) {role = fsdp_all_gather, nbytes = 536870912, params = ["w4"], anchor = %m2, hold = "over budget"}
+        %t4 = wait(%a4)
+        %m4 = compute "aten.mm"(%m3, %t4) {heavy}
+        %output = output(%m4)
+    ''')
+    assert result.stats()["budget"] == {"admitted": 2, "over budget": 1, "unknown size": 0,
+                                        "no earlier legal slot": 0, "budget_bytes": 2**30, "changed": True}
+
+
+def test_a_larger_budget_admits_all():
+    program, result = run(chain([HALF_GIB] * 4), "anchor{forward-depth=2},budget{max-in-flight-gb=1.5},prefetch")
+    assert holds(program) == {"a1": "first group", "a2": None, "a3": None, "a4": None}
+    assert result.stats()["budget{max-in-flight-gb=1.5}"]["admitted"] == 3
+    assert result.stats()["budget{max-in-flight-gb=1.5}"]["budget_bytes"] == 3 * 2**29
+
+
+def test_a_replica_is_in_flight_until_its_first_consumer_not_after():
+    """Depth 1: a2 is in flight from just before m1 until m2 reads it. a3 would launch just
+    before m2, where a2 is still in flight: 1200 > 1100 bytes. a4 launches before m3, after m2
+    consumed a2: it fits. With 1200 bytes all fit."""
+    sizes = [1, 600, 600, 600]
+    budget = 1100 / 2**30
+    program, _ = run(chain(sizes), f"anchor,budget{{max-in-flight-gb={budget!r}}},prefetch")
+    assert holds(program) == {"a1": "first group", "a2": None, "a3": "over budget", "a4": None}
+    program, _ = run(chain(sizes), f"anchor,budget{{max-in-flight-gb={1200 / 2**30!r}}},prefetch")
+    assert holds(program) == {"a1": "first group", "a2": None, "a3": None, "a4": None}
+
+
+@pytest.mark.parametrize("backward", [False, True])
+def test_unknown_size_is_held_and_not_counted(backward):
+    program, result = run(chain([100, 100, None, 100], backward), "anchor,budget{max-in-flight-gb=1e-06},prefetch,sink")
+    assert holds(program) == {"a1": "first group", "a2": None, "a3": "unknown size", "a4": None}
+    stats = result.stats()
+    assert stats["budget{max-in-flight-gb=1e-06}"]["unknown size"] == 1
+    assert stats["budget{max-in-flight-gb=1e-06}"]["budget_bytes"] == int(1e-06 * 2**30)
+    assert stats["prefetch"]["backward" if backward else "forward"] == 2
+    filecheck(print_program(program), '''
+        CHECK:      %m2 = compute
+        CHECK-NEXT: %a3 = launch {{.*}}hold = "unknown size"}
+        CHECK-NEXT: %a4 = launch {{.*}}anchor = %m3, prefetched}
+        CHECK-NEXT: %t3 = wait(%a3)
+    ''')
+
+
+def test_budget_zero_turns_prefetch_off_but_sinking_still_runs():
+    text = chain([100, 100, 100])
+    program, result = run(text, "anchor,budget{max-in-flight-gb=0},prefetch,sink")
+    assert holds(program) == {"a1": "first group", "a2": "over budget", "a3": "over budget"}
+    stats = result.stats()
+    assert stats["budget{max-in-flight-gb=0.0}"]["over budget"] == 2
+    assert stats["prefetch"]["forward"] == 0 and not stats["prefetch"]["changed"]
+    # nothing moved: the order is the original one (the waits already sit before their readers)
+    assert program.schedule.names() == parse_program(text).schedule.names()
+
+
+def test_budget_plans_on_a_copy_and_leaves_the_order_alone():
+    program = parse_program(chain([HALF_GIB] * 4))
+    before = program.schedule.names()
+    ctx = PassContext()
+    for p in parse_pipeline("anchor{forward-depth=2},budget"):
+        p.apply(ctx, program)
+        verify(program)
+    assert program.schedule.names() == before
+    # the holds it wrote are the ones the prefetch then honours
+    assert holds(program)["a4"] == "over budget"
+
+
+def test_gathers_moved_by_an_earlier_run_stay_in_flight():
+    """a2 was prefetched by an earlier run (it sits before m1): with it, a3 does not fit."""
+    text = '''
+        %x = input
+        %w1 = input
+        %w2 = input
+        %w3 = input
+        ^entry
+        %a1 = launch "ag"(%w1) {role = fsdp_all_gather, nbytes = 536870912, params = ["w1"]}
+        %a2 = launch "ag"(%w2) {role = fsdp_all_gather, nbytes = 805306368, params = ["w2"], prefetched}
+        %t1 = wait(%a1)
+        %m1 = compute "aten.mm"(%x, %t1) {heavy}
+        %t2 = wait(%a2)
+        %m2 = compute "aten.mm"(%m1, %t2) {heavy}
+        %a3 = launch "ag"(%w3) {role = fsdp_all_gather, nbytes = 536870912, params = ["w3"]}
+        %t3 = wait(%a3)
+        %m3 = compute "aten.mm"(%m2, %t3) {heavy}
+        %output = output(%m3)
+    '''
+    program, _ = run(text, "anchor{forward-depth=2},budget,prefetch")
+    assert holds(program)["a3"] == "over budget"
+    program, _ = run(text.replace(", prefetched}", "}"), "anchor{forward-depth=2},budget,prefetch")
+    assert holds(program)["a3"] is None
+
+
+def test_a_gather_moved_again_by_a_second_run_counts_once():
+    """Regression: a replica an earlier run moved kept its old span in the in-flight curve when
+    moved again, so it counted twice and was held back as over budget."""
+    first, _ = run(chain([HALF_GIB] * 3), "anchor,budget,prefetch,sink")
+    assert holds(first) == {"a1": "first group", "a2": None, "a3": None}
+    second, result = run(print_program(first), "anchor{forward-depth=2},budget,prefetch")
+    # a2 already sits at m1; a3 moves from before m2 to before m1: 0.5 + 0.5 GiB fits
+    assert holds(second) == {"a1": "first group", "a2": "no earlier legal slot", "a3": None}
+    assert result.stats()["prefetch"]["forward"] == 1
+    names = second.schedule.names()
+    assert names.index("a3") < names.index("m1")
+
+
+def test_no_earlier_legal_slot_is_recorded_by_budget():
+    text = '''
+        %x = input
+        %w1 = input
+        %w2 = input
+        ^entry
+        %a1 = launch "ag"(%w1) {role = fsdp_all_gather, nbytes = 1, params = ["w1"]}
+        %t1 = wait(%a1)
+        %m1 = compute "aten.mm"(%x, %t1) {heavy}
+        %b = barrier "aten.copy_"(%x, %m1) {reason = "mutation"}
+        %a2 = launch "ag"(%w2) {role = fsdp_all_gather, nbytes = 1, params = ["w2"]}
+        %t2 = wait(%a2)
+        %m2 = compute "aten.mm"(%m1, %t2) {heavy}
+        %output = output(%m2)
+    '''
+    program, result = run(text, "anchor,budget,prefetch")
+    assert holds(program)["a2"] == "no earlier legal slot"
+    assert result.stats()["budget"]["no earlier legal slot"] == 1
+    assert result.stats()["prefetch"]["no earlier legal slot"] == 0  # already held by budget

@@ -1,0 +1,348 @@
+"""The pass manager: pipeline text, option errors, verification between passes, instruments,
+and the analysis cache."""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import textwrap
+
+import pytest
+
+from fxsched.ir import Schedule, VerifyError, parse_program, print_program, verify
+from fxsched.passes import (PASSES, REFERENCE_PIPELINE, Analysis, GatherAnalysis, ModulePass, PassContext,
+                            PassFailure, PassManager, PassResult, PipelineError, PrintIR, Timing, make_pass,
+                            parse_pipeline, print_pipeline, register_pass)
+from fxsched.passes.anchor import Anchor
+from fxsched.passes.budget import Budget
+from fxsched.passes.prefetch import Prefetch
+from fxsched.passes.sink import Sink
+
+
+def dedent(text: str) -> str:
+    return textwrap.dedent(text).lstrip("\n")
+
+
+PROGRAM = dedent('''
+    %x = input
+    %w1 = input
+    %w2 = input
+    ^entry
+    %a1 = launch "ag"(%w1) {role = fsdp_all_gather, nbytes = 100, params = ["w1"]}
+    %t1 = wait(%a1)
+    %m1 = compute "aten.mm"(%x, %t1) {heavy}
+    %a2 = launch "ag"(%w2) {role = fsdp_all_gather, nbytes = 100, params = ["w2"]}
+    %t2 = wait(%a2)
+    %m2 = compute "aten.mm"(%m1, %t2) {heavy}
+    %output = output(%m2)
+''')
+
+
+# ---- pipeline text ------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("text,canonical", [
+    ("anchor{forward-depth=2},budget{max-in-flight-gb=1.5},prefetch,sink",
+     "anchor{forward-depth=2},budget{max-in-flight-gb=1.5},prefetch,sink"),
+    (REFERENCE_PIPELINE, "anchor,budget,prefetch,sink"),
+    (" anchor { backward-depth = 0 , attention = false } ,  sink ", "anchor{backward-depth=0,attention=false},sink"),
+    # defaults are left out, whatever their spelling; a bare flag means true
+    ("anchor{forward-depth=1,attention},budget{max-in-flight-gb=1}", "anchor,budget"),
+    ("budget{max-in-flight-gb=0},budget{max-in-flight-gb=2.5e-07}",
+     "budget{max-in-flight-gb=0.0},budget{max-in-flight-gb=2.5e-07}"),
+    ("anchor{attention=false,forward-depth=3}", "anchor{forward-depth=3,attention=false}"),
+    ("", ""),
+])
+def test_pipeline_text_round_trips_to_its_canonical_form(text, canonical):
+    passes = parse_pipeline(text)
+    assert print_pipeline(passes) == canonical
+    assert parse_pipeline(canonical) == passes
+    assert print_pipeline(parse_pipeline(canonical)) == canonical
+    assert str(PassManager(text)) == canonical
+
+
+def test_parsed_passes_carry_their_options():
+    anchor, budget, prefetch, sink = parse_pipeline("anchor{forward-depth=2,attention=false},"
+                                                    "budget{max-in-flight-gb=1.5},prefetch,sink")
+    assert anchor == Anchor(forward_depth=2, backward_depth=1, attention=False)
+    assert budget == Budget(max_in_flight_gb=1.5)
+    assert (prefetch, sink) == (Prefetch(), Sink())
+    assert make_pass("anchor", "backward-depth=4") == Anchor(backward_depth=4)
+    assert str(PassManager([Anchor(forward_depth=0), Sink()])) == "anchor{forward-depth=0},sink"
+
+
+def test_unknown_pass_lists_the_registered_passes():
+    with pytest.raises(PipelineError) as info:
+        parse_pipeline("anchor,bogus,sink")
+    message = str(info.value)
+    assert "unknown pass 'bogus'" in message
+    for name in ("anchor", "budget", "prefetch", "sink"):
+        assert name in message.split("passes:")[1]
+
+
+def test_unknown_option_lists_the_options_of_that_pass():
+    with pytest.raises(PipelineError) as info:
+        parse_pipeline("anchor{depth=2}")
+    message = str(info.value)
+    assert "pass 'anchor' has no option 'depth'" in message
+    assert all(o in message for o in ("forward-depth", "backward-depth", "attention"))
+    with pytest.raises(PipelineError, match="pass 'budget' has no option 'forward-depth'; options: max-in-flight-gb"):
+        parse_pipeline("budget{forward-depth=1}")
+    with pytest.raises(PipelineError, match="pass 'sink' has no option 'x'; options: none"):
+        parse_pipeline("sink{x=1}")
+
+
+@pytest.mark.parametrize("text,fragments", [
+    ("anchor{forward-depth=-1}", ["anchor", "forward-depth", "non-negative integer", "-1"]),
+    ("anchor{backward-depth=-3}", ["anchor", "backward-depth", "non-negative integer", "-3"]),
+    ("anchor{forward-depth=true}", ["anchor", "forward-depth", "int", "'true'"]),
+    ("anchor{backward-depth}", ["anchor", "backward-depth", "int", "'true'"]),
+    ("anchor{forward-depth=1.5}", ["anchor", "forward-depth", "int", "'1.5'"]),
+    ("anchor{attention=yes}", ["anchor", "attention", "bool", "'yes'"]),
+    ("budget{max-in-flight-gb=nan}", ["budget", "max-in-flight-gb", "finite non-negative", "nan"]),
+    ("budget{max-in-flight-gb=inf}", ["budget", "max-in-flight-gb", "finite non-negative", "inf"]),
+    ("budget{max-in-flight-gb=-0.5}", ["budget", "max-in-flight-gb", "non-negative", "-0.5"]),
+    ("budget{max-in-flight-gb=true}", ["budget", "max-in-flight-gb", "float", "'true'"]),
+    ("anchor,", ["ends with a comma"]),
+    ("anchor}", ["column 1", "anchor}"]),
+    ("anchor,sink{", ["column 8", "sink{"]),
+])
+def test_bad_values_raise_clear_errors(text, fragments):
+    with pytest.raises(PipelineError) as info:
+        parse_pipeline(text)
+    for fragment in fragments:
+        assert fragment in str(info.value), (fragment, str(info.value))
+
+
+def test_bad_values_in_code_raise_value_errors_naming_the_field():
+    with pytest.raises(ValueError, match="forward-depth"):
+        Anchor(forward_depth=True)
+    with pytest.raises(ValueError, match="backward-depth"):
+        Anchor(backward_depth=-1)
+    with pytest.raises(ValueError, match="max-in-flight-gb"):
+        Budget(max_in_flight_gb=float("nan"))
+
+
+# ---- running, verifying, failing ---------------------------------------------------------------
+
+@pytest.fixture
+def extra_passes():
+    """Register test passes for one test and unregister them after it."""
+    added: list[str] = []
+
+    def add(cls):
+        register_pass(cls)
+        added.append(cls.name)
+        return cls
+
+    yield add
+    for name in added:
+        PASSES.pop(name, None)
+
+
+def test_a_graph_without_tags_passes_through_unchanged():
+    text = dedent('''
+        %x = input
+        %y = input
+        ^entry
+        %mm = compute "aten.mm"(%x, %y) {heavy}
+        %at = compute "aten._scaled_dot_product_flash_attention"(%mm) {heavy, attention}
+        %v = view "aten.view"(%at)
+        %b = barrier "aten.copy_"(%y, %v) {reason = "mutation"}
+        %ar = launch "_c10d_functional.all_reduce"(%v) {group = "0"}
+        %arw = wait(%ar)
+        ^backward
+        %g = compute "aten.neg"(%arw)
+        %rs = launch "_c10d_functional.reduce_scatter_tensor"(%g) {group = "0", role = fsdp_reduce_scatter}
+        %rsw = wait(%rs)
+        %n = compute "aten.mm"(%rsw, %x) {heavy}
+        %output = output(%n)
+    ''')
+    program = parse_program(text)
+    result = PassManager("anchor{forward-depth=3},budget,prefetch,sink").run(program)
+    assert not result.changed
+    assert print_program(program) == text
+    assert result.stats()["sink"] == {"sunk": 0, "changed": False}
+    assert result.stats()["prefetch"]["forward"] == result.stats()["prefetch"]["backward"] == 0
+
+
+def test_statistics_per_pass_and_repeated_passes():
+    program = parse_program(PROGRAM)
+    result = PassManager("anchor,budget,prefetch,sink,sink").run(program)
+    assert result.changed
+    assert result.stats() == {
+        "anchor": {"anchored": 1, "first group": 1, "depth 0": 0, "no consumer": 0, "changed": True},
+        "budget": {"admitted": 1, "over budget": 0, "unknown size": 0, "no earlier legal slot": 0,
+                   "budget_bytes": 2**30, "changed": False},
+        "prefetch": {"forward": 1, "backward": 0, "no earlier legal slot": 0, "moved_nodes": 1, "changed": True},
+        "sink": {"sunk": 1, "changed": True},
+        "sink#2": {"sunk": 0, "changed": False},
+    }
+    assert [str(p) for p, _ in result.results] == ["anchor", "budget", "prefetch", "sink", "sink"]
+
+
+def test_pass_failure_names_the_pass_and_those_before_it(extra_passes):
+    @extra_passes
+    @dataclasses.dataclass(frozen=True)
+    class Reverse(ModulePass):
+        """Breaks the program: schedules everything backwards."""
+        name = "test-reverse"
+
+        def apply(self, ctx, program):
+            program.schedule = Schedule(reversed(program.schedule.names()))
+            return PassResult(True)
+
+    @extra_passes
+    @dataclasses.dataclass(frozen=True)
+    class Boom(ModulePass):
+        name = "test-boom"
+        level: int = 0
+
+        def apply(self, ctx, program):
+            raise KeyError("no such node")
+
+    program = parse_program(PROGRAM)
+    with pytest.raises(PassFailure) as info:
+        PassManager("anchor{forward-depth=2},prefetch,test-reverse,sink").run(program)
+    failure = info.value
+    assert "pass 'test-reverse' left an invalid program" in str(failure)
+    assert "passes before it: anchor{forward-depth=2},prefetch" in str(failure)
+    assert "VerifyError" in str(failure) and "scheduled before" in str(failure)
+    assert isinstance(failure.failed, Reverse) and failure.before == [Anchor(forward_depth=2), Prefetch()]
+    assert isinstance(failure.cause, VerifyError)
+
+    with pytest.raises(PassFailure) as info:
+        PassManager("test-boom{level=3},sink").run(parse_program(PROGRAM))
+    assert "pass 'test-boom{level=3}' failed: KeyError" in str(info.value)
+    assert "passes before it: (none)" in str(info.value)
+    assert isinstance(info.value.cause, KeyError)
+    assert "test-boom" in PASSES and "test-reverse" in PASSES
+
+
+def test_registered_test_passes_are_gone_after_the_test():
+    assert "test-reverse" not in PASSES and "test-boom" not in PASSES
+    with pytest.raises(PipelineError, match="unknown pass 'test-reverse'"):
+        parse_pipeline("test-reverse")
+
+
+def test_a_pass_name_cannot_be_registered_twice():
+    with pytest.raises(ValueError, match="registered twice"):
+        register_pass(Sink)
+
+
+def test_verify_after_each_pass_can_be_turned_off(extra_passes):
+    @extra_passes
+    @dataclasses.dataclass(frozen=True)
+    class Swap(ModulePass):
+        name = "test-swap"
+
+        def apply(self, ctx, program):
+            names = program.schedule.names()
+            at = names.index("t1")
+            names[at], names[at + 1] = names[at + 1], names[at]  # m1 before the wait it reads
+            program.schedule = Schedule(names)
+            return PassResult(True)
+
+    program = parse_program(PROGRAM)
+    result = PassManager("test-swap", verify_each=False).run(program)
+    assert result.changed
+    with pytest.raises(VerifyError, match="%m1: scheduled before %t1"):
+        verify(program)
+    with pytest.raises(PassFailure):
+        PassManager("test-swap").run(parse_program(PROGRAM))
+
+
+# ---- instruments --------------------------------------------------------------------------------
+
+def test_timing_records_every_pass():
+    timing = Timing()
+    PassManager("anchor,budget,prefetch,sink", instruments=[timing]).run(parse_program(PROGRAM))
+    assert [name for name, _ in timing.seconds] == ["anchor", "budget", "prefetch", "sink"]
+    assert all(seconds >= 0 for _, seconds in timing.seconds)
+    report = timing.report()
+    assert report.startswith("pass timing:") and "total" in report
+    assert all(name in report for name in ("anchor", "budget", "prefetch", "sink"))
+
+
+def test_print_ir_after_changes_only():
+    stream = io.StringIO()
+    program = parse_program(PROGRAM)
+    PassManager("anchor,budget,prefetch,sink,sink",
+                instruments=[PrintIR(only_changed=True, stream=stream)]).run(program)
+    out = stream.getvalue()
+    headers = [line for line in out.splitlines() if line.startswith("// -----")]
+    # budget and the second sink changed nothing: not printed
+    assert headers == ["// ----- IR after anchor -----", "// ----- IR after prefetch -----",
+                       "// ----- IR after sink -----"]
+    assert out.endswith(print_program(program) + "\n")
+    after_prefetch = out.split("// ----- IR after prefetch -----\n")[1].split("// -----")[0]
+    assert "%a2 = launch" in after_prefetch and "prefetched}" in after_prefetch
+
+
+def test_print_ir_before_and_after_every_pass():
+    stream = io.StringIO()
+    PassManager("anchor,sink", instruments=[PrintIR(before=True, after=True, stream=stream)]).run(
+        parse_program(PROGRAM))
+    headers = [line for line in stream.getvalue().splitlines() if line.startswith("// -----")]
+    assert headers == ["// ----- IR before anchor -----", "// ----- IR after anchor -----",
+                       "// ----- IR before sink -----", "// ----- IR after sink -----"]
+    first = stream.getvalue().split("// ----- IR after anchor -----")[0]
+    assert first == "// ----- IR before anchor -----\n" + PROGRAM + "\n"
+
+
+# ---- the analysis cache ---------------------------------------------------------------------------
+
+class Counting(Analysis):
+    computed = 0
+
+    @classmethod
+    def compute(cls, program, ctx):
+        cls.computed += 1
+        return cls()
+
+
+def test_pass_context_caches_analyses_and_drops_those_not_preserved(extra_passes):
+    @extra_passes
+    @dataclasses.dataclass(frozen=True)
+    class Keeps(ModulePass):
+        name = "test-keeps"
+        preserves = (Counting,)
+
+        def apply(self, ctx, program):
+            ctx.get(Counting, program)
+            return PassResult(False)
+
+    @extra_passes
+    @dataclasses.dataclass(frozen=True)
+    class Drops(ModulePass):
+        name = "test-drops"
+
+        def apply(self, ctx, program):
+            ctx.get(Counting, program)
+            return PassResult(False)
+
+    Counting.computed = 0
+    ctx = PassContext()
+    program = parse_program(PROGRAM)
+    PassManager("test-keeps,test-keeps,test-drops,test-keeps,test-keeps").run(program, ctx)
+    # computed for the first pass, reused by the next two, dropped after test-drops, computed again
+    assert Counting.computed == 2
+    first = ctx.get(Counting, program)
+    assert ctx.get(Counting, program) is first and Counting.computed == 2
+    ctx.keep_only(())
+    assert ctx.get(Counting, program) is not first and Counting.computed == 3
+
+
+def test_the_gather_analysis_is_computed_once_per_pipeline(monkeypatch):
+    calls = []
+    original = GatherAnalysis.compute.__func__
+
+    def counting(cls, program, ctx):
+        calls.append(1)
+        return original(cls, program, ctx)
+
+    monkeypatch.setattr(GatherAnalysis, "compute", classmethod(counting))
+    ctx = PassContext()
+    program = parse_program(PROGRAM)
+    PassManager("anchor,budget,prefetch,sink").run(program, ctx)
+    assert len(calls) == 1
+    assert ctx.get(GatherAnalysis, program).gathers[1].launch == "a2" and len(calls) == 1

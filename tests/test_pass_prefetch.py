@@ -1,0 +1,372 @@
+"""prefetch: each anchored, unheld launch chain goes to its earliest legal slot before its anchor."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import tempfile
+import textwrap
+
+import pytest
+
+from fxsched.ir import parse_program, print_program, verify
+from fxsched.passes import PassContext, PassManager, parse_pipeline
+
+
+def dedent(text: str) -> str:
+    return textwrap.dedent(text).lstrip("\n")
+
+
+def filecheck(output: str, checks: str) -> None:
+    with tempfile.NamedTemporaryFile("w", suffix=".check", delete=False) as f:
+        f.write(dedent(checks))
+    result = subprocess.run([sys.executable, "-m", "filecheck", f.name], input=output, capture_output=True, text=True)
+    assert result.returncode == 0, f"filecheck failed:\n{result.stdout}{result.stderr}\n--- input ---\n{output}"
+
+
+def run(text: str, pipeline: str):
+    program = parse_program(dedent(text))
+    result = PassManager(pipeline).run(program)
+    return program, result
+
+
+def joint(forward: int, backward: int) -> str:
+    lines = ["%x = input", *(f"%w{i} = input" for i in range(1, max(forward, backward) + 1)), "^entry"]
+    prev = "%x"
+    for i in range(1, forward + 1):
+        lines += [f'%a{i} = launch "ag"(%w{i}) {{role = fsdp_all_gather, nbytes = 100, params = ["w{i}"]}}',
+                  f"%t{i} = wait(%a{i})", f'%m{i} = compute "aten.mm"({prev}, %t{i}) {{heavy}}']
+        prev = f"%m{i}"
+    if backward:
+        lines.append("^backward")
+    for i in range(backward, 0, -1):
+        lines += [f'%b{i} = launch "ag"(%w{i}) {{role = fsdp_all_gather_backward, nbytes = 100, params = ["w{i}"]}}',
+                  f"%u{i} = wait(%b{i})", f'%n{i} = compute "aten.mm"({prev}, %u{i}) {{heavy}}']
+        prev = f"%n{i}"
+    lines.append(f"%output = output({prev})")
+    return "\n".join(lines) + "\n"
+
+
+def order(program) -> list[str]:
+    return [n for n in program.schedule if not n.startswith("w") and n != "x"]
+
+
+# ---- depths -----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("depth,expected", [
+    (0, "^entry a1 t1 m1 a2 t2 m2 a3 t3 m3 a4 t4 m4 output"),
+    # a2 before m1, a3 before m2, a4 before m3; sink then moves t1, t2, t3 down to their readers
+    (1, "^entry a1 a2 t1 m1 a3 t2 m2 a4 t3 m3 t4 m4 output"),
+    # a2, a3 before m1 (in that order), a4 before m2
+    (2, "^entry a1 a2 a3 t1 m1 a4 t2 m2 t3 m3 t4 m4 output"),
+    (3, "^entry a1 a2 a3 a4 t1 m1 t2 m2 t3 m3 t4 m4 output"),
+])
+def test_forward_depths(depth, expected):
+    program, result = run(joint(4, 0), f"anchor{{forward-depth={depth}}},budget,prefetch,sink")
+    assert " ".join(order(program)) == expected
+    stats = result.stats()["prefetch"]
+    assert (stats["forward"], stats["backward"], stats["moved_nodes"]) == ((3, 0, 3) if depth else (0, 0, 0))
+
+
+@pytest.mark.parametrize("depth,expected", [
+    (0, "^backward b4 u4 n4 b3 u3 n3 b2 u2 n2 b1 u1 n1 output"),
+    (1, "^backward b4 b3 u4 n4 b2 u3 n3 b1 u2 n2 u1 n1 output"),
+    (2, "^backward b4 b3 b2 u4 n4 b1 u3 n3 u2 n2 u1 n1 output"),
+])
+def test_backward_depths(depth, expected):
+    program, result = run(joint(1, 4), f"anchor{{forward-depth=1,backward-depth={depth}}},prefetch,sink")
+    names = order(program)
+    assert " ".join(names[names.index("^backward"):]) == expected
+    assert result.stats()["prefetch"]["backward"] == (3 if depth else 0)
+
+
+def test_depth_1_exact_text_and_filecheck():
+    program, _ = run(joint(2, 2), "anchor,budget,prefetch,sink")
+    text = print_program(program)
+    assert text == dedent('''
+        %x = input
+        %w1 = input
+        %w2 = input
+        ^entry
+        %a1 = launch "ag"(%w1) {role = fsdp_all_gather, nbytes = 100, params = ["w1"], hold = "first group"}
+        %a2 = launch "ag"(%w2) {role = fsdp_all_gather, nbytes = 100, params = ["w2"], anchor = %m1, prefetched}
+        %t1 = wait(%a1)
+        %m1 = compute "aten.mm"(%x, %t1) {heavy}
+        %t2 = wait(%a2)
+        %m2 = compute "aten.mm"(%m1, %t2) {heavy}
+        ^backward
+        %b2 = launch "ag"(%w2) {role = fsdp_all_gather_backward, nbytes = 100, params = ["w2"], hold = "first group"}
+        %b1 = launch "ag"(%w1) {role = fsdp_all_gather_backward, nbytes = 100, params = ["w1"], anchor = %n2, prefetched}
+        %u2 = wait(%b2)
+        %n2 = compute "aten.mm"(%m2, %u2) {heavy}
+        %u1 = wait(%b1)
+        %n1 = compute "aten.mm"(%n2, %u1) {heavy}
+        %output = output(%n1)
+    ''')
+    filecheck(text, '''
+        CHECK:      %a2 = launch {{.*}}anchor = %m1, prefetched}
+        CHECK-NEXT: %t1 = wait(%a1)
+        CHECK-NEXT: %m1 = compute
+        CHECK:      ^backward
+        CHECK-NEXT: %b2 = launch {{.*}}hold = "first group"}
+        CHECK-NEXT: %b1 = launch {{.*}}anchor = %n2, prefetched}
+    ''')
+
+
+# ---- legality --------------------------------------------------------------------------------------
+
+BARRIER = '''
+    %x = input
+    %buf = input
+    %w1 = input
+    %w2 = input
+    ^entry
+    %a1 = launch "ag"(%w1) {role = fsdp_all_gather, nbytes = 1, params = ["w1"]}
+    %t1 = wait(%a1)
+    %m1 = compute "aten.mm"(%x, %t1) {heavy}
+    %b = barrier "aten.copy_"(%buf, %m1) {reason = "mutation"}
+    %n = compute "aten.neg"(%m1)
+    %a2 = launch "ag"(%w2) {role = fsdp_all_gather, nbytes = 1, params = ["w2"]}
+    %t2 = wait(%a2)
+    %m2 = compute "aten.mm"(%n, %t2) {heavy}
+    %output = output(%m2)
+'''
+
+
+def test_a_launch_stops_right_after_a_barrier():
+    program, result = run(BARRIER, "anchor,budget,prefetch,sink")
+    filecheck(print_program(program), '''
+        CHECK:      %b = barrier
+        CHECK-NEXT: %a2 = launch {{.*}}anchor = %m1, prefetched}
+        CHECK-NEXT: %n = compute
+    ''')
+    assert result.stats()["prefetch"]["forward"] == 1
+
+
+def test_a_launch_right_after_a_barrier_has_no_earlier_legal_slot():
+    program, result = run(BARRIER.replace('    %n = compute "aten.neg"(%m1)\n', "")
+                          .replace("(%n, %t2)", "(%m1, %t2)"), "anchor,prefetch")
+    assert program.op("a2").hold == "no earlier legal slot" and not program.op("a2").prefetched
+    assert result.stats()["prefetch"]["no earlier legal slot"] == 1
+    assert result.stats()["prefetch"]["forward"] == 0
+
+
+def test_a_regather_is_held_behind_the_free_of_the_same_parameter():
+    program, _ = run('''
+        %x = input
+        %w0 = input
+        %w1 = input
+        ^entry
+        %a0 = launch "ag"(%w0) {role = fsdp_all_gather, nbytes = 1, params = ["p0"]}
+        %t0 = wait(%a0)
+        %v0 = view "aten.view"(%t0)
+        %m0 = compute "aten.mm"(%x, %v0) {heavy}
+        %a1 = launch "ag"(%w1) {role = fsdp_all_gather, nbytes = 1, params = ["p1"]}
+        %t1 = wait(%a1)
+        %m1 = compute "aten.mm"(%m0, %t1) {heavy}
+        %f0 = free "free"(%v0) {params = ["p0"]}
+        %r = compute "aten.relu"(%m1)
+        %a2 = launch "ag"(%w0) {role = fsdp_all_gather, nbytes = 1, params = ["p0"]}
+        %t2 = wait(%a2)
+        %m2 = compute "aten.mm"(%r, %t2) {heavy}
+        %output = output(%m2)
+    ''', "anchor,budget,prefetch")
+    # a2's anchor is m1, but it must follow the free of p0's first replica
+    assert program.op("a2").anchor == "m1" and program.op("a2").prefetched
+    names = program.schedule.names()
+    assert names[names.index("f0") + 1] == "a2"
+    assert names.index("a1") < names.index("m0")  # a1 moved before m0 as usual
+
+
+def test_a_bucket_pack_chain_moves_with_its_launch():
+    program, result = run('''
+        %x = input
+        %s1 = input
+        %s2 = input
+        %w0 = input
+        ^entry
+        %a0 = launch "ag"(%w0) {role = fsdp_all_gather, nbytes = 1, params = ["w0"]}
+        %t0 = wait(%a0)
+        %m0 = compute "aten.mm"(%x, %t0) {heavy}
+        %n0 = compute "aten.neg"(%m0)
+        %c1 = cast "prims.convert_element_type"(%s1)
+        %c2 = cast "prims.convert_element_type"(%s2)
+        %cat = compute "aten.cat"(%c1, %c2)
+        %ab = launch "ag"(%cat) {role = fsdp_all_gather, nbytes = 2, params = ["p1", "p2"], bucket = "b0"}
+        %tb = wait(%ab)
+        %rows = view "aten.view"(%tb)
+        %v1 = view "aten.slice"(%rows)
+        %co1 = copy_out "aten.clone"(%v1) {bucket = "b0"}
+        %v2 = view "aten.slice"(%rows)
+        %co2 = copy_out "aten.clone"(%v2) {bucket = "b0"}
+        %m1 = compute "aten.mm"(%n0, %co1) {heavy}
+        %m2 = compute "aten.mm"(%m1, %co2) {heavy}
+        %output = output(%m2)
+    ''', "anchor,budget,prefetch")
+    assert print_program(program) == dedent('''
+        %x = input
+        %s1 = input
+        %s2 = input
+        %w0 = input
+        ^entry
+        %a0 = launch "ag"(%w0) {role = fsdp_all_gather, nbytes = 1, params = ["w0"], hold = "first group"}
+        %t0 = wait(%a0)
+        %c1 = cast "prims.convert_element_type"(%s1)
+        %c2 = cast "prims.convert_element_type"(%s2)
+        %cat = compute "aten.cat"(%c1, %c2)
+        %ab = launch "ag"(%cat) {role = fsdp_all_gather, nbytes = 2, params = ["p1", "p2"], bucket = "b0", anchor = %m0, prefetched}
+        %m0 = compute "aten.mm"(%x, %t0) {heavy}
+        %n0 = compute "aten.neg"(%m0)
+        %tb = wait(%ab)
+        %rows = view "aten.view"(%tb)
+        %v1 = view "aten.slice"(%rows)
+        %co1 = copy_out "aten.clone"(%v1) {bucket = "b0"}
+        %v2 = view "aten.slice"(%rows)
+        %co2 = copy_out "aten.clone"(%v2) {bucket = "b0"}
+        %m1 = compute "aten.mm"(%n0, %co1) {heavy}
+        %m2 = compute "aten.mm"(%m1, %co2) {heavy}
+        %output = output(%m2)
+    ''')
+    assert result.stats()["prefetch"]["moved_nodes"] == 4
+
+
+def test_a_pack_producer_read_elsewhere_stays_and_bounds_the_chain():
+    program, _ = run('''
+        %x = input
+        %s1 = input
+        %s2 = input
+        %w0 = input
+        ^entry
+        %a0 = launch "ag"(%w0) {role = fsdp_all_gather, nbytes = 1, params = ["w0"]}
+        %t0 = wait(%a0)
+        %m0 = compute "aten.mm"(%x, %t0) {heavy}
+        %c1 = cast "prims.convert_element_type"(%s1)
+        %n0 = compute "aten.neg"(%m0)
+        %c2 = cast "prims.convert_element_type"(%s2)
+        %cat = compute "aten.cat"(%c1, %c2)
+        %ab = launch "ag"(%cat) {role = fsdp_all_gather, nbytes = 2, params = ["p1", "p2"], bucket = "b0"}
+        %tb = wait(%ab)
+        %co = copy_out "aten.clone"(%tb) {bucket = "b0"}
+        %m1 = compute "aten.mm"(%n0, %co) {heavy}
+        %z = compute "aten.add"(%m1, %c1)
+        %output = output(%z)
+    ''', "anchor,prefetch")
+    # c1 is also read by z: it stays, and the chain (c2, cat, ab) lands right after it
+    assert " ".join(order(program)[:9]) == "s1 s2 ^entry a0 t0 m0 c1 c2 cat"
+    assert program.op("ab").prefetched
+
+
+def test_a_lone_cast_of_the_shard_moves_with_its_launch_a_shared_one_does_not():
+    text = '''
+        %x = input
+        %w1 = input
+        %w2 = input
+        ^entry
+        %a1 = launch "ag"(%w1) {role = fsdp_all_gather, nbytes = 1, params = ["w1"]}
+        %t1 = wait(%a1)
+        %m1 = compute "aten.mm"(%x, %t1) {heavy}
+        %c2 = cast "prims.convert_element_type"(%w2)
+        %a2 = launch "ag"(%c2) {role = fsdp_all_gather, nbytes = 1, params = ["w2"]}
+        %t2 = wait(%a2)
+        %m2 = compute "aten.mm"(%m1, %t2) {heavy}
+        %output = output(%m2)
+    '''
+    program, result = run(text, "anchor,prefetch")
+    assert " ".join(order(program)) == "^entry a1 t1 c2 a2 m1 t2 m2 output"
+    assert result.stats()["prefetch"]["moved_nodes"] == 2
+    shared = text.replace("(%m1, %t2)", "(%m1, %t2, %c2)")
+    program, _ = run(shared, "anchor,prefetch")
+    assert program.op("a2").hold == "no earlier legal slot"
+    # a cast of a computed value is not a shard cast either
+    computed = text.replace('cast "prims.convert_element_type"(%w2)', 'cast "prims.convert_element_type"(%m1)')
+    program, _ = run(computed.replace("(%m1, %t2)", "(%x, %t2)"), "anchor,prefetch")
+    assert program.op("a2").hold == "no earlier legal slot"
+
+
+def test_a_launch_never_rises_above_its_inputs():
+    program, _ = run('''
+        %x = input
+        %w1 = input
+        %w2 = input
+        ^entry
+        %a1 = launch "ag"(%w1) {role = fsdp_all_gather, nbytes = 1, params = ["w1"]}
+        %t1 = wait(%a1)
+        %m1 = compute "aten.mm"(%x, %t1) {heavy}
+        %k = compute "aten.neg"(%x)
+        %k2 = compute "aten.neg"(%k)
+        %a2 = launch "ag"(%k) {role = fsdp_all_gather, nbytes = 1, params = ["w2"]}
+        %t2 = wait(%a2)
+        %m2 = compute "aten.mm"(%m1, %t2) {heavy}
+        %output = output(%m2, %k2)
+    ''', "anchor,prefetch")
+    assert " ".join(order(program)) == "^entry a1 t1 m1 k a2 k2 t2 m2 output"
+
+
+def test_phase_start_bounds_hand_written_anchors():
+    """A backward gather anchored (by hand) in the forward goes right after ^backward; a
+    forward one anchored at ^entry goes right after it."""
+    program, result = run('''
+        %x = input
+        %w1 = input
+        %w2 = input
+        ^entry
+        %f = compute "aten.mm"(%x, %x) {heavy}
+        %a1 = launch "ag"(%w1) {role = fsdp_all_gather, nbytes = 1, params = ["w1"], anchor = ^entry}
+        %t1 = wait(%a1)
+        %m1 = compute "aten.mm"(%f, %t1) {heavy}
+        ^backward
+        %g = compute "aten.neg"(%m1)
+        %b2 = launch "ag"(%w2) {role = fsdp_all_gather_backward, nbytes = 1, params = ["w2"], anchor = %f}
+        %u2 = wait(%b2)
+        %n2 = compute "aten.mm"(%g, %u2) {heavy}
+        %output = output(%n2)
+    ''', "prefetch")
+    assert " ".join(order(program)) == "^entry a1 f t1 m1 ^backward b2 g u2 n2 output"
+    assert program.op("b2").prefetched and program.op("b2").anchor == "f"
+    assert (result.stats()["prefetch"]["forward"], result.stats()["prefetch"]["backward"]) == (1, 1)
+
+
+def test_held_launches_stay_and_chains_sharing_a_slot_keep_launch_order_reversed():
+    """Two launches whose slot is right after the same barrier: each goes just before the node
+    there, so the later-processed one ends up first (the reference's prepend-at-position)."""
+    program, _ = run('''
+        %x = input
+        %buf = input
+        %w1 = input
+        %w2 = input
+        %w3 = input
+        %w4 = input
+        ^entry
+        %a1 = launch "ag"(%w1) {role = fsdp_all_gather, nbytes = 1, params = ["w1"]}
+        %t1 = wait(%a1)
+        %m1 = compute "aten.mm"(%x, %t1) {heavy}
+        %b = barrier "aten.copy_"(%buf, %m1)
+        %n = compute "aten.neg"(%m1)
+        %a2 = launch "ag"(%w2) {role = fsdp_all_gather, nbytes = 1, params = ["w2"], anchor = %m1}
+        %t2 = wait(%a2)
+        %a3 = launch "ag"(%w3) {role = fsdp_all_gather, nbytes = 1, params = ["w3"], anchor = %m1}
+        %t3 = wait(%a3)
+        %a4 = launch "ag"(%w4) {role = fsdp_all_gather, nbytes = 1, params = ["w4"], anchor = %m1, hold = "over budget"}
+        %t4 = wait(%a4)
+        %s = compute "aten.add"(%t2, %t3)
+        %m2 = compute "aten.mm"(%n, %s) {heavy}
+        %m3 = compute "aten.mm"(%m2, %t4) {heavy}
+        %output = output(%m3)
+    ''', "prefetch")
+    names = order(program)
+    assert " ".join(names[names.index("b"):names.index("b") + 6]) == "b a3 a2 n t2 t3"
+    assert not program.op("a4").prefetched and program.op("a4").hold == "over budget"
+
+
+def test_prefetch_verifies_after_each_pass_and_is_idempotent():
+    program = parse_program(joint(4, 4))
+    ctx = PassContext()
+    for p in parse_pipeline("anchor{forward-depth=2,backward-depth=2},budget,prefetch,sink"):
+        p.apply(ctx, program)
+        verify(program)
+    before = print_program(program)
+    again = PassManager("prefetch").run(program)
+    # everything already sits at its slot: nothing moves again
+    assert again.stats()["prefetch"]["forward"] + again.stats()["prefetch"]["backward"] == 0
+    assert print_program(program).replace(', hold = "no earlier legal slot"', "") == before.replace(
+        ', hold = "no earlier legal slot"', "")
