@@ -70,6 +70,13 @@ def schedule(gm: fx.GraphModule, pipeline: str = REFERENCE_PIPELINE, *, verify_e
         verify(program)
     result = manager.run(program)
     raised = raise_program(program)
+    # Tag what this run moved, as the drop-in does: lowering reads the tag back, so scheduling
+    # the result again counts these gathers in flight instead of overshooting the budget.
+    moved = {row["launch"]: row["anchor"] for row in gather_table(program)
+             if row["moved"] and row["reason"] is None and row["anchor"] is not None}
+    for node in raised.graph.nodes:
+        if node.name in moved:
+            node.meta["fsdp_prefetch_anchor"] = moved[node.name]
     return ScheduleResult(raised, program, str(manager), result, timer)
 
 
@@ -91,7 +98,9 @@ def overlap_param_gather(graph_module: fx.GraphModule, config) -> fx.GraphModule
     stats = done.result.stats()
     prefetch = next(v for k, v in stats.items() if k.startswith("prefetch"))
     sink = next(v for k, v in stats.items() if k.startswith("sink"))
-    anchors = {row["launch"]: row["anchor"] for row in gather_table(done.program) if row["moved"]}
+    # only what this run moved (an earlier run's anchors stay in the copied meta)
+    anchors = {row["launch"]: row["anchor"] for row in gather_table(done.program)
+               if row["moved"] and row["reason"] is None}
     new_graph = done.graph_module.graph
     for node in new_graph.nodes:
         if node.name in anchors:

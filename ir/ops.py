@@ -104,7 +104,15 @@ class Op:
 @irop("input", movable=False)
 @attrs.frozen(kw_only=True)
 class Input(Op):
-    """A graph input (placeholder) or constant (get_attr)."""
+    """A graph input (placeholder)."""
+
+    target: str = ""
+
+
+@irop("constant")
+@attrs.frozen(kw_only=True)
+class Constant(Op):
+    """A module attribute read (get_attr): no operands, no cost, stays where the graph put it."""
 
     target: str = ""
 
@@ -202,10 +210,15 @@ class Free(Op):
 @irop("barrier", movable=False, effect=True)
 @attrs.frozen(kw_only=True)
 class Barrier(Op):
-    """A side effect nothing may cross: a mutation, an opaque call, or an explicit `barrier` tag."""
+    """A side effect nothing may cross: a mutation, an opaque call, or an explicit `barrier` tag.
+
+    `heavy`/`attention` as for Compute: a heavy op tagged as a barrier still anchors prefetch.
+    """
 
     target: str = ""
     reason: str = ""
+    heavy: bool = False
+    attention: bool = False
 
 
 REALIZATION_KINDS = (Wait, View, CopyOut)

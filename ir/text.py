@@ -63,7 +63,7 @@ def print_op(op: Op, region: Phase = Phase.FORWARD, with_phase: bool = True) -> 
     head = f"%{op.name} = {op.KIND}"
     if target:
         head += f" {json.dumps(target)}"
-    if op.operands or op.KIND not in ("input",):
+    if op.operands or op.KIND not in ("input", "constant"):
         head += "(" + ", ".join(f"%{o}" for o in op.operands) + ")"
     attrs_out = []
     defaults = {f.name: f.default for f in attrs.fields(type(op))}

@@ -12,7 +12,7 @@ import operator
 import torch
 from torch import fx
 
-from ..ir import (DTYPE_BYTES, Barrier, EffectError, Cast, Compute, CopyOut, Free, Input, Launch, Op, Output, Phase, Program,
+from ..ir import (DTYPE_BYTES, Barrier, EffectError, Cast, Compute, Constant, CopyOut, Free, Input, Launch, Op, Output, Phase, Program,
                   Role, Schedule, TensorType, View, Wait, derive_effects)
 
 GATHER_TAGS = {"fsdp_all_gather": Role.GATHER, "fsdp_all_gather_backward": Role.REGATHER}
@@ -132,17 +132,21 @@ class _Lowering:
     def lower(self, node: fx.Node) -> Op:
         base = {"name": node.name, "operands": tuple(n.name for n in node.all_input_nodes),
                 "types": value_types(node)}
-        if node.op in ("placeholder", "get_attr"):
+        if node.op == "placeholder":
             return Input(target=str(node.target), **base)
         if node.op == "output":
             base["types"] = ()
             return Output(**base)
         base["phase"] = self.phase(node)
+        if node.op == "get_attr":
+            return Constant(target=str(node.target), **base)
         target = target_name(node)
         meta = node.meta
         comm_type = meta.get("comm_type")
+        attention = node.op == "call_function" and any(a in target for a in ATTENTION_NAMES)
+        heavy = attention or (node.op == "call_function" and (target in HEAVY_OPS or target.rsplit(".", 1)[0] in HEAVY_OPS))
         if meta.get("barrier"):
-            return Barrier(target=target, reason="tagged barrier", **base)
+            return Barrier(target=target, reason="tagged barrier", heavy=heavy, attention=attention, **base)
         if comm_type in GATHER_TAGS and _is_collective(node) and "all_gather_into_tensor" in target:
             return self.gather(node, target, GATHER_TAGS[comm_type], base)
         if comm_type in FREE_TAGS:
@@ -170,11 +174,10 @@ class _Lowering:
                    or (node.op == "call_method" and str(node.target).endswith("_")
                        and not str(node.target).startswith("_")))
         if node.is_impure(impure_random=False) or mutates:
-            return Barrier(target=target, reason="mutation" if mutates else "side effect", **base)
+            return Barrier(target=target, reason="mutation" if mutates else "side effect", heavy=heavy,
+                           attention=attention, **base)
         if schema is not None and schema.name in CAST_OPS:
             return Cast(target=target, **base)
-        attention = node.op == "call_function" and any(a in target for a in ATTENTION_NAMES)
-        heavy = attention or (node.op == "call_function" and (target in HEAVY_OPS or target.rsplit(".", 1)[0] in HEAVY_OPS))
         random = isinstance(node.target, torch._ops.OpOverload) and torch.Tag.nondeterministic_seeded in node.target.tags
         return Compute(target=target, heavy=heavy, attention=attention, random=random, **base)
 

@@ -12,7 +12,7 @@ import dataclasses
 
 import attrs
 
-from ..ir import Compute, Launch, Phase, Program
+from ..ir import Launch, Phase, Program
 from .base import ModulePass, PassContext, PassResult, check_depth, register_pass
 from .gathers import Gather, GatherAnalysis
 
@@ -77,7 +77,7 @@ class Anchor(ModulePass):
                            anchors: dict[str, str]) -> None:
         pos = program.schedule.index
         nodes = [n for n in program.schedule
-                 if isinstance(op := program.op(n), Compute) and op.phase is phase and op.heavy]
+                 if getattr(op := program.op(n), "heavy", False) and op.phase is phase]
         attention = [n for n in nodes if program.op(n).attention]
         if not attention:
             return

@@ -39,6 +39,7 @@ EVERYTHING = dedent(r'''
     %g = input
     ^entry
     %cw = cast "prims.convert_element_type.default"(%w) : bf16[128]
+    %k = constant "buf" : f32[2]
     %ag = launch "_c10d_functional.all_gather_into_tensor.default"(%cw) {group = "0", group_size = 2, role = fsdp_all_gather, nbytes = 4096, params = ["w"], anchor = %mm, prefetched}
     %wt = wait "_c10d_functional.wait_tensor.default"(%ag)
     %v = view "aten.view.default"(%wt)

@@ -10,7 +10,7 @@ import torch.distributed._functional_collectives  # noqa: F401  (registers the f
 import torch.nn.functional as F
 from torch import fx
 
-from fxsched.ir import (BACKWARD, ENTRY, Barrier, Cast, Compute, CopyOut, Free, Input, Launch, Output, Phase,
+from fxsched.ir import (BACKWARD, ENTRY, Barrier, Cast, Compute, Constant, CopyOut, Free, Input, Launch, Output, Phase,
                         Role, View, Wait, print_program, verify)
 from fxsched.lowering import LoweringError, lower, target_name
 from fxsched.raising import raise_program
@@ -160,7 +160,7 @@ def test_overload_packets_are_classified_too():
     assert isinstance(op(p, out), Barrier) and op(p, out).reason == "mutation"  # out= passed
 
 
-def test_placeholders_and_get_attr_are_inputs():
+def test_placeholders_are_inputs_and_get_attr_a_constant_in_place():
     g = G()
     x = g.input("x")
     root = torch.nn.Module()
@@ -169,8 +169,9 @@ def test_placeholders_and_get_attr_are_inputs():
     add = g.call(aten.add.Tensor, x, const)
     g.graph.output(add)
     p = lower(fx.GraphModule(root, g.graph))
-    assert op(p, const) == Input(name=const.name, target="buf")
-    assert p.schedule.names() == ["x", const.name, ENTRY, add.name, "output"]
+    assert p.op("x") == Input(name="x", target="x")
+    assert op(p, const) == Constant(name=const.name, target="buf")
+    assert p.schedule.names() == ["x", ENTRY, const.name, add.name, "output"]
 
 
 # ---- sizes ----------------------------------------------------------------------------------

@@ -4,8 +4,9 @@ The oracle (tests/oracle.py) re-implements SPEC.md's reference behaviour directl
 torch.fx Graph, re-indexing the whole graph after every move. On hand-built graphs, random
 small graphs, graphs from `front/generate.py` and traced ones from the FSDP front, both must
 give the same node order, the same `meta["fsdp_prefetch"]` counts and the same
-`fsdp_prefetch_anchor` values. Known, reported deviations are pinned as strict xfails at the
-end, so that fixing one shows up.
+`fsdp_prefetch_anchor` values. The one deliberate deviation (untagged nodes inside the
+backward) is pinned as a strict xfail at the end; the others found earlier are fixed and
+their tests kept.
 """
 
 from __future__ import annotations
@@ -605,9 +606,7 @@ def test_traced_front_graph_matches_the_oracle():
 
 # ---- known deviations (reported; each flips to XPASS, i.e. fails, once fixed) --------------------
 
-@pytest.mark.xfail(strict=True, reason="lowering: a heavy op tagged as a barrier lowers to Barrier, which "
-                   "carries no heavy/attention flag, so the attention spread skips it; SPEC's heavy is by target")
-def test_known_deviation_heavy_op_tagged_as_barrier():
+def test_formerly_deviating_heavy_op_tagged_as_barrier():
     b = Builder()
     x = b.input("x")
     s = [b.input(f"s{i}") for i in range(4)]
@@ -619,18 +618,14 @@ def test_known_deviation_heavy_op_tagged_as_barrier():
     assert_same(b.done(h))
 
 
-@pytest.mark.xfail(strict=True, reason="ir/effects.place_markers hoists every input (get_attr included) "
-                   "above ^entry, so a get_attr in mid-graph moves even in an untagged graph")
-def test_known_deviation_get_attr_in_mid_graph():
+def test_formerly_deviating_get_attr_in_mid_graph():
     b = Builder()
     x = b.input("x")
     h = b.add(b.mm(x, x), b.constant("c"))
     assert_same(b.done(h))
 
 
-@pytest.mark.xfail(strict=True, reason="passes/gathers.launch_chain takes a cast of any Input (a get_attr "
-                   "too) as a shard cast; SPEC: inputs all placeholders")
-def test_known_deviation_cast_of_a_constant():
+def test_formerly_deviating_cast_of_a_constant():
     b = Builder()
     x = b.input("x")
     s0 = b.input("s0")
@@ -641,8 +636,10 @@ def test_known_deviation_cast_of_a_constant():
     assert_same(b.done(h))
 
 
-@pytest.mark.xfail(strict=True, reason="lowering treats untagged nodes after the first backward node as "
-                   "backward (with a note); SPEC: no autograd_backward = forward, and sinking stops there")
+@pytest.mark.xfail(strict=True, reason="deliberate: lowering treats untagged nodes after the first backward "
+                   "node as backward and records a note, because phases are one contiguous region each "
+                   "in the IR (a forward node inside backward would make the phase edges cyclic); the "
+                   "reference treats them as forward and stops sinking there")
 def test_known_deviation_untagged_node_inside_backward():
     b = Builder()
     x = b.input("x")
@@ -657,10 +654,7 @@ def test_known_deviation_untagged_node_inside_backward():
     assert_same(b.done(g))
 
 
-@pytest.mark.xfail(strict=True, reason="api.overlap_param_gather writes fsdp_prefetch_anchor for every gather "
-                   "ever moved (Launch.prefetched), so a re-run that does not move one overwrites its anchor "
-                   "(with None at depth 0); the reference only tags the launches it moves")
-def test_known_deviation_rerun_keeps_earlier_anchors():
+def test_formerly_deviating_rerun_keeps_earlier_anchors():
     first, _ = run_both(layers(True), 1.0, 1, 1)
     assert outcome(first)[2]
     assert_same(first, 1.0, 0, 0)

@@ -1,0 +1,320 @@
+"""Cost models over the IR: milliseconds per op, from result and operand `types`.
+
+- `Roofline(hardware)`: heavy ops (mm, addmm, bmm, matmul, linear, attention forward and
+  backward) take max(FLOPs / peak, bytes / HBM bandwidth) + a launch overhead; every other
+  computation takes bytes moved (operands + results) / HBM bandwidth + the launch overhead;
+  views, waits, markers, inputs, constants, the output and frees take 0. A collective launch takes
+  latency + bytes·(n−1)/n ÷ collective bandwidth on its communication stream (bytes = the
+  gathered output of an all-gather, the input of a reduce-scatter; an all-reduce moves twice
+  that), n = the op's group size.
+- `Callback(fn)`: your function op -> ms (None falls back to another model).
+- `Measured(table)`: measured ms by target name (`"aten.mm.default"`, or the packet `"aten.mm"`);
+  inputs, constants, markers and the output are never looked up.
+
+`as_cost_model` turns any of these (or a profile name, a Hardware, a callable, a mapping)
+into a CostModel; `op_costs(program, model)` gives {op name: ms}; `CostAnalysis` exposes the
+same to passes through `PassContext(cost_model=...)` (it duck-types passes' Analysis, so
+this package never imports passes/).
+"""
+
+from __future__ import annotations
+
+import gc
+import math
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import attrs
+
+from ..ir import Constant, Input, Launch, Marker, Op, Output, Program, Free, View, Wait
+from .hardware import H100, Hardware, hardware
+
+MATMULS = frozenset({"mm", "addmm", "bmm", "matmul", "linear", "baddbmm"})
+ATTENTION_NAMES = ("scaled_dot_product", "flash_attention", "npu_fusion_attention")
+ZERO_COST = (View, Wait, Marker, Input, Constant, Output, Free)
+#: ops that hold storage for the whole step (and cost nothing)
+STATIC = (Input, Constant)
+
+
+def is_zero_cost(op: Op) -> bool:
+    """Views, waits, markers, inputs, constants, the output and frees take no compute time."""
+    return isinstance(op, ZERO_COST)
+#: the group size assumed for a collective whose op does not say (one node of 8 devices)
+DEFAULT_GROUP_SIZE = 8
+
+
+# ---- what an op does -------------------------------------------------------------------
+
+def op_name(target: str) -> str:
+    """`aten.mm.default` -> `mm`; `aten::addmm` -> `addmm`; `torch._C._nn.linear` -> `linear`."""
+    parts = target.replace("::", ".").split(".")
+    if len(parts) >= 2 and parts[0] in ("aten", "prims", "_c10d_functional", "c10d_functional", "npu"):
+        return parts[1]
+    return parts[-1]
+
+
+def is_attention(target: str) -> bool:
+    return any(a in target for a in ATTENTION_NAMES)
+
+
+def is_attention_backward(target: str) -> bool:
+    """Backward attention: the target says `backward` (aten) or ends in `_grad` (npu_fusion_attention_grad)."""
+    name = op_name(target)
+    return "backward" in target or name.endswith("_grad")
+
+
+def _types(program: Program, name: str):
+    return program.graph.nodes[name]["op"].types
+
+
+def _first_tensor(types):
+    return next((t for t in types if t.dtype != "none"), None)
+
+
+def _operand_type(program: Program, op: Op, index: int):
+    if index >= len(op.operands):
+        return None
+    return _first_tensor(_types(program, op.operands[index]))
+
+
+def _known(*shapes) -> bool:
+    return all(s is not None and all(d >= 0 for d in s) for s in shapes)
+
+
+def matmul_flops(op: Op, program: Program) -> int | None:
+    """2·numel(out)·k for mm/addmm/bmm/baddbmm/matmul/linear; k = the reduced extent, read
+    from the first matrix operand (operand 1 for addmm/baddbmm, whose operand 0 is the bias)."""
+    out = _first_tensor(op.types)
+    first = 1 if op_name(getattr(op, "target", "")) in ("addmm", "baddbmm") and len(op.operands) >= 2 else 0
+    a = _operand_type(program, op, first)
+    if out is None or a is None or not a.shape or not _known(out.shape, a.shape):
+        return None
+    k = a.shape[-1]
+    return 2 * math.prod(out.shape) * k
+
+
+def _seq_kv(k_shape: tuple[int, ...]) -> int:
+    """Key/value sequence length: dim -2 of a 4-d [B, H, S, D] (BNSD) key, dim 1 of a 3-d
+    [B, S, H] (BSH) key; other layouts are not recognised (dim -2 is used)."""
+    if len(k_shape) == 3:
+        return k_shape[1]
+    return k_shape[-2]
+
+
+def attention_flops(op: Op, program: Program) -> int | None:
+    """FLOPs of attention, as torch.utils.flop_counter counts SDPA (no causal discount).
+
+    Forward: q·kᵀ and p·v: 2·numel(q)·S_kv·(1 + Dv/Dq). Backward: recompute q·kᵀ, then dv, dp,
+    dq, dk: 2·numel(q)·S_kv·(3 + 2·Dv/Dq) (= 2.5× the forward when Dv = Dq). The forward reads
+    q, k, v from operands 0..2; the backward from its results dq, dk, dv (the aten backward ops
+    take the output gradient first, npu_fusion_attention_grad takes q first; results agree).
+    """
+    target = getattr(op, "target", "")
+    if is_attention_backward(target):
+        tensors = [t for t in op.types if t.dtype != "none"]
+        if len(tensors) >= 3:
+            q, k, v = tensors[:3]
+        else:
+            q, k, v = (_operand_type(program, op, i) for i in (1, 2, 3))
+        backward = True
+    else:
+        q, k, v = (_operand_type(program, op, i) for i in (0, 1, 2))
+        backward = False
+    if q is None or k is None or not q.shape or not k.shape or not _known(q.shape, k.shape):
+        return None
+    dq = q.shape[-1]
+    dv = v.shape[-1] if v is not None and v.shape and v.shape[-1] >= 0 else dq
+    s_kv = _seq_kv(k.shape)
+    numel_q = math.prod(q.shape)
+    ratio = dv / dq if dq else 1.0
+    factor = (3 + 2 * ratio) if backward else (1 + ratio)
+    return int(round(2 * numel_q * s_kv * factor))
+
+
+def flops(op: Op, program: Program) -> int | None:
+    """FLOPs of a heavy op (matmul family or attention); None for other ops or unknown shapes."""
+    target = getattr(op, "target", "")
+    if not target or isinstance(op, Launch) or is_zero_cost(op):
+        return None
+    if is_attention(target):
+        return attention_flops(op, program)
+    if op_name(target) in MATMULS:
+        return matmul_flops(op, program)
+    return None
+
+
+def bytes_moved(op: Op, program: Program) -> int:
+    """Bytes read and written: every operand's known tensor bytes (once each) plus the results'."""
+    total = op.nbytes_out
+    for operand in op.operands:
+        total += program.graph.nodes[operand]["op"].nbytes_out
+    return total
+
+
+def collective_kind(target: str) -> str:
+    t = target.lower()
+    for kind in ("all_gather", "reduce_scatter", "all_reduce", "all_to_all", "broadcast"):
+        if kind in t:
+            return kind
+    return "other"
+
+
+def collective_bytes(op: Launch, program: Program) -> int:
+    """The bytes the bandwidth term counts: an all-gather's gathered output (its `nbytes` when
+    the type is unknown), a reduce-scatter's input, otherwise the (first) input."""
+    kind = collective_kind(op.target)
+    if kind == "all_gather":
+        out = _first_tensor(op.types)
+        if out is not None and out.nbytes is not None:
+            return out.nbytes
+        return op.nbytes or 0
+    a = _operand_type(program, op, 0)
+    if a is not None and a.nbytes is not None:
+        return a.nbytes
+    out = _first_tensor(op.types)
+    return (out.nbytes or 0) if out is not None else 0
+
+
+# ---- models ----------------------------------------------------------------------------
+
+class CostModel:
+    """Milliseconds per op. Subclasses implement `op_ms`; `collective_ms` prices a collective
+    from its kind, byte count and group size (for peers that re-size collectives)."""
+
+    def op_ms(self, op: Op, program: Program) -> float:
+        raise NotImplementedError
+
+    def collective_ms(self, kind: str, nbytes: int, group_size: int | None) -> float:
+        raise NotImplementedError
+
+
+@attrs.frozen
+class Roofline(CostModel):
+    """The roofline model on one Hardware profile (see the module docstring).
+
+    `launch_us` overrides the profile's per-kernel overhead; `default_group_size` is used for
+    collectives whose op has no `group_size`; `flops_efficiency` / `bandwidth_efficiency`
+    derate the peaks (1.0 = datasheet peak).
+    """
+
+    hw: Hardware = H100
+    launch_us: float | None = None
+    default_group_size: int = DEFAULT_GROUP_SIZE
+    flops_efficiency: float = 1.0
+    bandwidth_efficiency: float = 1.0
+
+    @property
+    def overhead_ms(self) -> float:
+        return (self.hw.launch_us if self.launch_us is None else self.launch_us) / 1e3
+
+    def memory_ms(self, nbytes: int) -> float:
+        return nbytes / (self.hw.hbm_gbps * self.bandwidth_efficiency * 1e6)
+
+    def compute_ms(self, n_flops: int, dtype: str | None) -> float:
+        return n_flops / (self.hw.tflops(dtype) * self.flops_efficiency * 1e9)
+
+    def collective_ms(self, kind: str, nbytes: int, group_size: int | None) -> float:
+        n = group_size if group_size and group_size > 0 else self.default_group_size
+        if n <= 1:
+            return 0.0
+        factor = {"all_reduce": 2 * (n - 1) / n, "broadcast": 1.0, "other": 1.0}.get(kind, (n - 1) / n)
+        seconds = nbytes * factor / (self.hw.coll_gbps * self.bandwidth_efficiency * 1e9)
+        return self.hw.coll_latency_us / 1e3 + seconds * 1e3
+
+    def op_ms(self, op: Op, program: Program) -> float:
+        if is_zero_cost(op):
+            return 0.0
+        if isinstance(op, Launch):
+            return self.collective_ms(collective_kind(op.target), collective_bytes(op, program), op.group_size)
+        memory = self.memory_ms(bytes_moved(op, program))
+        n_flops = flops(op, program)
+        if n_flops:
+            out = _first_tensor(op.types)
+            memory = max(memory, self.compute_ms(n_flops, out.dtype if out is not None else None))
+        return memory + self.overhead_ms
+
+
+@attrs.frozen
+class Callback(CostModel):
+    """`fn(op) -> ms`; when it returns None the `fallback` model prices the op."""
+
+    fn: Callable[[Op], float | None]
+    fallback: CostModel = attrs.field(factory=Roofline)
+
+    def op_ms(self, op: Op, program: Program) -> float:
+        value = self.fn(op)
+        return self.fallback.op_ms(op, program) if value is None else float(value)
+
+    def collective_ms(self, kind: str, nbytes: int, group_size: int | None) -> float:
+        return self.fallback.collective_ms(kind, nbytes, group_size)
+
+
+@attrs.frozen
+class Measured(CostModel):
+    """Measured milliseconds by target name; the exact target wins over its packet name
+    (`aten.mm.default` over `aten.mm`). Ops not in the table go to `fallback`; inputs,
+    constants, markers and the output are never looked up."""
+
+    table: Mapping[str, float] = attrs.field(converter=lambda m: dict(m))
+    fallback: CostModel = attrs.field(factory=Roofline)
+
+    def op_ms(self, op: Op, program: Program) -> float:
+        target = getattr(op, "target", "")
+        if target and not isinstance(op, (Marker, Output, *STATIC)):
+            if target in self.table:
+                return float(self.table[target])
+            packet = target.rsplit(".", 1)[0]
+            if packet in self.table:
+                return float(self.table[packet])
+        return self.fallback.op_ms(op, program)
+
+    def collective_ms(self, kind: str, nbytes: int, group_size: int | None) -> float:
+        return self.fallback.collective_ms(kind, nbytes, group_size)
+
+
+def as_cost_model(spec: Any = None) -> CostModel:
+    """None -> Roofline(H100); a profile name (`"h200"`) or a Hardware -> its Roofline; a
+    CostModel as is; a mapping -> Measured; a callable (op -> ms or None) -> Callback."""
+    if spec is None:
+        return Roofline()
+    if isinstance(spec, CostModel):
+        return spec
+    if isinstance(spec, str):
+        return Roofline(hardware(spec))
+    if isinstance(spec, Hardware):
+        return Roofline(spec)
+    if isinstance(spec, Mapping):
+        return Measured(spec)
+    if callable(spec):
+        return Callback(spec)
+    raise TypeError(f"cannot make a cost model from {type(spec).__name__}: pass a profile name, Hardware, "
+                    "CostModel, {target: ms} mapping or a function op -> ms")
+
+
+def op_costs(program: Program, model: Any = None) -> dict[str, float]:
+    """{op name: ms} for every op of `program` (in schedule order)."""
+    model = as_cost_model(model)
+    nodes = program.graph.nodes
+    was_enabled = gc.isenabled()
+    gc.disable()   # see cost.simulate: GC passes over a large graph find nothing to free here
+    try:
+        return {name: model.op_ms(nodes[name]["op"], program) for name in program.schedule}
+    finally:
+        if was_enabled:
+            gc.enable()
+
+
+@attrs.frozen
+class CostAnalysis:
+    """Per-op costs for passes: `ctx.get(CostAnalysis, program)` reads `ctx.options["cost_model"]`
+    (anything `as_cost_model` takes; H100 roofline when absent). Costs do not depend on the
+    order, so a pass that only reorders may list it in `preserves`."""
+
+    model: CostModel
+    ms: Mapping[str, float]
+
+    @classmethod
+    def compute(cls, program: Program, ctx=None) -> CostAnalysis:
+        options = getattr(ctx, "options", None) or {}
+        model = as_cost_model(options.get("cost_model"))
+        return cls(model, op_costs(program, model))
