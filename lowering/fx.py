@@ -147,7 +147,8 @@ class _Lowering:
         heavy = attention or (node.op == "call_function" and (target in HEAVY_OPS or target.rsplit(".", 1)[0] in HEAVY_OPS))
         if meta.get("barrier"):
             return Barrier(target=target, reason="tagged barrier", heavy=heavy, attention=attention, **base)
-        if comm_type in GATHER_TAGS and _is_collective(node) and "all_gather_into_tensor" in target:
+        if comm_type in GATHER_TAGS and _schema(node) is not None \
+                and _schema(node).name.endswith("::all_gather_into_tensor"):
             return self.gather(node, target, GATHER_TAGS[comm_type], base)
         if comm_type in FREE_TAGS:
             return self.free(node, target, base)

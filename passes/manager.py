@@ -16,7 +16,7 @@ from typing import IO
 import attrs
 
 from ..ir import Program, print_program, verify
-from .base import PASSES, ModulePass, PassContext, PassResult
+from .base import PASSES, ModulePass, PassContext, PassResult, _format
 
 
 class PipelineError(ValueError):
@@ -61,8 +61,10 @@ def make_pass(name: str, options: str | None = None) -> ModulePass:
         key, sep, raw = item.partition("=")
         key, raw = key.strip(), raw.strip()
         if key not in fields:
-            known = ", ".join(f"{k} (default {f.default!r})" for k, f in fields.items()) or "none"
+            known = ", ".join(f"{k} (default {_format(f.default)})" for k, f in fields.items()) or "none"
             raise PipelineError(f"pass {name!r} has no option {key!r}; options: {known}")
+        if fields[key].name in kwargs:
+            raise PipelineError(f"pass {name!r}: option {key!r} is given twice")
         kwargs[fields[key].name] = _convert(name, key, fields[key], raw if sep else "true")
     try:
         return cls(**kwargs)

@@ -346,3 +346,13 @@ def test_the_gather_analysis_is_computed_once_per_pipeline(monkeypatch):
     PassManager("anchor,budget,prefetch,sink").run(program, ctx)
     assert len(calls) == 1
     assert ctx.get(GatherAnalysis, program).gathers[1].launch == "a2" and len(calls) == 1
+
+
+def test_an_option_given_twice_is_an_error():
+    with pytest.raises(PipelineError, match="option 'forward-depth' is given twice"):
+        parse_pipeline("anchor{forward-depth=1,forward-depth=2}")
+
+
+def test_unknown_option_lists_defaults_in_pipeline_syntax():
+    with pytest.raises(PipelineError, match=r"attention \(default true\)"):
+        parse_pipeline("anchor{nope=1}")
