@@ -1,0 +1,112 @@
+"""hide: cost-guided anchoring — launch each gather as late as it can be and still be hidden.
+
+Usable in place of `anchor` (then budget, prefetch, sink as usual). With compute times from
+the cost model, sweep each communication stream backwards from its last gather: a gather
+must finish by its first consumer and before the gather after it on the stream starts (the
+stream runs in launch order), and must not overlap the other collectives of the stream,
+which stay where they are. Its anchor is the last node at or before that start time. A
+gather already hidden where it is stays; one that cannot be hidden launches at its earliest
+legal slot and says so.
+"""
+
+from __future__ import annotations
+
+import bisect
+import dataclasses
+
+import attrs
+
+from ..cost.model import CostAnalysis
+from ..cost.simulate import stream_of
+from ..ir import Launch, Program
+from .base import ModulePass, PassContext, PassResult, register_pass
+from .gathers import Gather, GatherAnalysis
+
+HIDDEN = "hidden where it is"
+NOT_HIDDEN = "cannot be hidden"  # still anchored: as early as legal exposes the least
+
+
+@register_pass
+@dataclasses.dataclass(frozen=True)
+class Hide(ModulePass):
+    name = "hide"
+    preserves = (GatherAnalysis, CostAnalysis)
+
+    def apply(self, ctx: PassContext, program: Program) -> PassResult:
+        gathers = ctx.get(GatherAnalysis, program)
+        ms = ctx.get(CostAnalysis, program).ms
+        schedule = program.schedule
+        # compute-stream time at which each slot is reached (launches cost the compute stream nothing)
+        start_at, clock = [], 0.0
+        for name in schedule:
+            start_at.append(clock)
+            if not isinstance(program.op(name), Launch):
+                clock += ms.get(name, 0.0)
+
+        streams: dict[str, list[Gather]] = {}
+        for g in gathers.gathers:
+            streams.setdefault(stream_of(program.op(g.launch)), []).append(g)
+        fixed: dict[str, list[tuple[float, float]]] = {}
+        gather_names = {g.launch for g in gathers.gathers}
+        for name in schedule:
+            op = program.op(name)
+            if isinstance(op, Launch) and name not in gather_names:
+                begin = start_at[schedule.index(name)]
+                fixed.setdefault(stream_of(op), []).append((begin, begin + ms.get(name, 0.0)))
+
+        stats = {"anchored": 0, HIDDEN: 0, NOT_HIDDEN: 0, "held": 0}
+        changed = False
+        for stream, members in streams.items():
+            busy = sorted(fixed.get(stream, []))
+            limit = float("inf")
+            # latest deadline first; equal deadlines keep launch order on the stream
+            for g in sorted(members, key=lambda g: (schedule.index(g.first_consumer), schedule.index(g.launch)),
+                            reverse=True):
+                op = program.op(g.launch)
+                if op.hold is not None and op.anchor is None and not op.prefetched and op.hold not in _OURS:
+                    stats["held"] += 1  # lowering held it: leave its reason
+                    continue
+                duration = ms.get(g.launch, 0.0)
+                finish = min(start_at[schedule.index(g.first_consumer)], limit)
+                begin = _fit(finish - duration, duration, busy)
+                earliest = start_at[_earliest_slot(program, g)]
+                reason = None
+                if begin < earliest:
+                    begin, reason = earliest, NOT_HIDDEN
+                slot = max(bisect.bisect_right(start_at, begin) - 1, 0)
+                here = schedule.index(g.chain[0])
+                limit = min(begin, start_at[here])
+                if slot >= here:  # it stays, so it holds the stream from where it is
+                    new = attrs.evolve(op, anchor=None, hold=HIDDEN)
+                    stats[HIDDEN] += 1
+                else:
+                    new = attrs.evolve(op, anchor=schedule[slot], hold=None)
+                    stats["anchored"] += 1
+                    stats[NOT_HIDDEN] += reason is not None
+                if new != op:
+                    program.replace(new)
+                    changed = True
+        return PassResult(changed, stats)
+
+
+_OURS = ("first group", "depth 0", "no consumer", "no earlier legal slot", "over budget", "unknown size",
+         HIDDEN)
+
+
+def _fit(begin: float, duration: float, busy: list[tuple[float, float]]) -> float:
+    """The latest start <= `begin` at which [start, start + duration) avoids the busy spans."""
+    i = bisect.bisect_right(busy, (begin + duration, float("inf")))
+    while i > 0:
+        lo, hi = busy[i - 1]
+        if hi <= begin:
+            break
+        begin = lo - duration  # overlaps: finish before that collective starts
+        i -= 1
+    return begin
+
+
+def _earliest_slot(program: Program, g: Gather) -> int:
+    """The slot just after the chain's latest predecessor (what prefetch can reach at best)."""
+    pos = program.schedule.index
+    chain = set(g.chain)
+    return max((pos(p) + 1 for n in g.chain for p in program.graph.pred[n] if p not in chain), default=0)

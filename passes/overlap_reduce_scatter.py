@@ -1,0 +1,59 @@
+"""overlap-reduce-scatter: let gradient reduce-scatters run under the backward compute after them.
+
+Each reduce-scatter's wait moves down to just before its earliest successor (its users, or
+the barrier, free or output that bounds it through an effect edge), so the compute between
+launch and wait hides it. Gradient bytes kept alive by a delayed wait are in flight from the
+launch to the wait; reduce-scatters are admitted in launch order while the in-flight total
+stays within `max-in-flight-gb`; the others keep their wait where it was.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from ..ir import Launch, Program, Role, Wait
+from .base import ModulePass, PassContext, PassResult, check_budget, register_pass
+from .budget import MaxTree
+from .gathers import GatherAnalysis
+
+
+@register_pass
+@dataclasses.dataclass(frozen=True)
+class OverlapReduceScatter(ModulePass):
+    name = "overlap-reduce-scatter"
+    preserves = (GatherAnalysis,)
+
+    max_in_flight_gb: float = 1.0
+
+    def __post_init__(self):
+        check_budget(self.name, "max-in-flight-gb", self.max_in_flight_gb)
+
+    def apply(self, ctx: PassContext, program: Program) -> PassResult:
+        schedule = program.schedule
+        limit = int(self.max_in_flight_gb * 2**30)
+        launches = [n for n in schedule if isinstance(op := program.op(n), Launch) and op.role is Role.REDUCE_SCATTER]
+        # in-flight bytes over the starting order's positions; a wait only moves later, so
+        # positions between a launch and its new wait never shift out of order
+        tree = MaxTree(len(schedule) + 1)
+        stats = {"overlapped": 0, "over budget": 0, "in place": 0}
+        for name in launches:
+            waits = [u for u in program.users(name) if isinstance(program.op(u), Wait)]
+            wait = waits[0]
+            succ = program.graph.succ[wait]
+            if not succ:
+                stats["in place"] += 1
+                continue
+            target = min(succ, key=schedule.index)
+            if schedule.index(target) <= schedule.index(wait) + 1:
+                stats["in place"] += 1
+                continue
+            operand = program.op(name).operands[0] if program.op(name).operands else None
+            nbytes = program.op(operand).nbytes_out if operand is not None else 0
+            lo, hi = schedule.index(name), schedule.index(target)
+            if tree.max(lo, hi) + nbytes > limit:
+                stats["over budget"] += 1
+                continue
+            tree.add(lo, hi, nbytes)
+            schedule.move_before([wait], target)
+            stats["overlapped"] += 1
+        return PassResult(stats["overlapped"] > 0, stats)
