@@ -77,12 +77,12 @@ class Hide(ModulePass):
                 here = schedule.index(g.chain[0])
                 limit = min(begin, start_at[here])
                 if slot >= here:  # it stays, so it holds the stream from where it is
-                    new = attrs.evolve(op, anchor=None, hold=HIDDEN)
-                    stats[HIDDEN] += 1
+                    new = attrs.evolve(op, anchor=None, hold=reason or HIDDEN)
+                    stats[reason or HIDDEN] += 1
                 else:
                     new = attrs.evolve(op, anchor=schedule[slot], hold=None)
                     stats["anchored"] += 1
-                    stats[NOT_HIDDEN] += reason is not None
+                    stats[NOT_HIDDEN] += reason is not None  # anchored anyway: earliest exposes least
                 if new != op:
                     program.replace(new)
                     changed = True
@@ -90,7 +90,7 @@ class Hide(ModulePass):
 
 
 _OURS = ("first group", "depth 0", "no consumer", "no earlier legal slot", "over budget", "unknown size",
-         HIDDEN)
+         HIDDEN, NOT_HIDDEN)
 
 
 def _fit(begin: float, duration: float, busy: list[tuple[float, float]]) -> float:
