@@ -7,10 +7,10 @@ import logging
 
 from .api import ScheduleResult, gather_table, overlap_param_gather, reference_pipeline, schedule
 from .config import PassConfig
-from .passes import REFERENCE_PIPELINE
+from .passes import DEFAULT_PIPELINE, PIPELINES, REFERENCE_PIPELINE
 
 logging.getLogger("fxsched").addHandler(logging.NullHandler())
 
-__all__ = ["REFERENCE_PIPELINE", "PassConfig", "ScheduleResult", "gather_table", "overlap_param_gather",
+__all__ = ["DEFAULT_PIPELINE", "PIPELINES", "REFERENCE_PIPELINE", "PassConfig", "ScheduleResult", "gather_table", "overlap_param_gather",
            "reference_pipeline", "schedule"]
 __version__ = "0.1.0"

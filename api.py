@@ -15,7 +15,7 @@ from torch import fx
 from .config import read_config
 from .ir import Launch, Program
 from .lowering import lower
-from .passes import REFERENCE_PIPELINE, Instrument, PassManager, PipelineResult, Timing
+from .passes import DEFAULT_PIPELINE, Instrument, PassContext, PassManager, PipelineResult, Timing
 from .raising import raise_program
 
 LOG = logging.getLogger("fxsched")
@@ -55,20 +55,22 @@ def gather_table(program: Program) -> list[dict[str, Any]]:
     return rows
 
 
-def schedule(gm: fx.GraphModule, pipeline: str = REFERENCE_PIPELINE, *, verify_each: bool = True,
-             timing: bool = False, instruments: list[Instrument] | None = None) -> ScheduleResult:
-    """Lower `gm` (left untouched), run `pipeline`, and raise a fresh, linted GraphModule."""
+def schedule(gm: fx.GraphModule, pipeline: str = DEFAULT_PIPELINE, *, verify_each: bool = True,
+             timing: bool = False, instruments: list[Instrument] | None = None,
+             cost_model: Any = None) -> ScheduleResult:
+    """Lower `gm` (left untouched), run `pipeline`, and raise a fresh, linted GraphModule.
+
+    `pipeline` is pipeline text or a name (`default`, `reference`); `cost_model` is what
+    cost-guided passes price ops with (a hardware profile name such as "h200", a
+    `fxsched.cost.model.CostModel`, a {target: ms} table or a function op -> ms; H100 when None).
+    """
     manager = PassManager(pipeline, verify_each=verify_each, instruments=list(instruments or []))
     timer = Timing() if timing else None
     if timer:
         manager.instruments.insert(0, timer)
     gm.graph.lint()
     program = lower(gm)
-    if verify_each:
-        from .ir import verify
-
-        verify(program)
-    result = manager.run(program)
+    result = manager.run(program, PassContext(cost_model=cost_model))
     raised = raise_program(program)
     # Tag what this run moved, as the drop-in does: lowering reads the tag back, so scheduling
     # the result again counts these gathers in flight instead of overshooting the budget.

@@ -6,10 +6,10 @@ from .gathers import Gather, GatherAnalysis
 from .manager import (Instrument, PassFailure, PassManager, PipelineError, PipelineResult, PrintIR,
                       Timing, make_pass, parse_pipeline, print_pipeline)
 
-REFERENCE_PIPELINE = "anchor,budget,prefetch,sink"
+from .pipelines import DEFAULT_PIPELINE, PIPELINES, REFERENCE_PIPELINE
 
 __all__ = [
-    "PASSES", "REFERENCE_PIPELINE", "Analysis", "Gather", "GatherAnalysis", "Instrument",
+    "DEFAULT_PIPELINE", "PASSES", "PIPELINES", "REFERENCE_PIPELINE", "Analysis", "Gather", "GatherAnalysis", "Instrument",
     "ModulePass", "PassContext", "PassFailure", "PassManager", "PassResult", "PipelineError",
     "PipelineResult", "PrintIR", "Timing", "make_pass", "parse_pipeline", "print_pipeline",
     "register_pass",

@@ -16,6 +16,7 @@ from typing import IO
 import attrs
 
 from ..ir import Program, print_program, verify
+from .pipelines import PIPELINES
 from .base import PASSES, ModulePass, PassContext, PassResult, _format
 
 
@@ -36,9 +37,10 @@ _ITEM = re.compile(r"\s*([A-Za-z][\w-]*)\s*(?:\{([^{}]*)\})?\s*(,|$)")
 
 
 def parse_pipeline(text: str) -> list[ModulePass]:
+    """Parse pipeline text, or the name of a pipeline in PIPELINES (`reference`, `default`)."""
     passes = []
     at = 0
-    text = text.strip()
+    text = PIPELINES.get(text.strip(), text.strip())
     while at < len(text):
         m = _ITEM.match(text, at)
         if not m:
@@ -170,6 +172,8 @@ class PassManager:
 
     def run(self, program: Program, ctx: PassContext | None = None) -> PipelineResult:
         ctx = ctx or PassContext()
+        if self.verify_each:  # an invalid input is the input's fault: say so before a pass trips on it
+            verify(program)
         results = []
         for i, p in enumerate(self.passes):
             for inst in self.instruments:
