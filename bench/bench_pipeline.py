@@ -1,5 +1,6 @@
-"""Benchmark: the whole pipeline (lower, reference passes, verify after each, raise) on
-generated graphs, against FX's own graph copy + lint + recompile of the same graph.
+"""Benchmark: the whole pipeline (lower, passes, verify after each, raise) on generated
+graphs, against FX's own graph copy + lint + recompile of the same graph. Both the
+reference and the default pipeline are timed.
 
     .venv/bin/python bench/bench_pipeline.py [--sizes 10000 30000 100000] [--repeat 3]
 
@@ -22,7 +23,7 @@ import fxsched
 from fxsched.front.generate import generate_graph
 from fxsched.ir import verify
 from fxsched.lowering import lower
-from fxsched.passes import REFERENCE_PIPELINE, PassManager
+from fxsched.passes import DEFAULT_PIPELINE, REFERENCE_PIPELINE, PassManager
 from fxsched.raising import raise_program
 
 OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "out")
@@ -74,18 +75,20 @@ def main() -> None:
         repeat = args.repeat if size < 100_000 else max(1, args.repeat - 1)
         baseline = best_of(repeat, lambda: fx_copy(gm))
         pipeline = best_of(repeat, lambda: fxsched.schedule(gm, REFERENCE_PIPELINE))
+        default = best_of(repeat, lambda: fxsched.schedule(gm, DEFAULT_PIPELINE))
         done = fxsched.schedule(gm, REFERENCE_PIPELINE)
         stats = done.result.stats()
         rows.append({
             "nodes": len(gm.graph.nodes), "fx_copy_lint_recompile_s": round(baseline, 3),
             "pipeline_s": round(pipeline, 3), "ratio_to_fx": round(pipeline / baseline, 2),
+            "default_pipeline_s": round(default, 3), "default_ratio_to_fx": round(default / baseline, 2),
             "stages_s": {k: round(v, 3) for k, v in stages(gm).items()},
             "moved_forward": stats["prefetch"]["forward"], "moved_backward": stats["prefetch"]["backward"],
             "sunk": stats["sink"]["sunk"],
         })
         print(json.dumps(rows[-1]), flush=True)
     result = {"machine": f"{platform.machine()}, {os.cpu_count()} cpus", "pipeline": REFERENCE_PIPELINE,
-              "rows": rows}
+              "default_pipeline": DEFAULT_PIPELINE, "rows": rows}
     small, large = rows[0], rows[-1]
     if len(rows) > 1:
         result["growth"] = {"sizes": [small["nodes"], large["nodes"]],
@@ -94,11 +97,12 @@ def main() -> None:
     os.makedirs(OUT, exist_ok=True)
     with open(os.path.join(OUT, "pipeline.json"), "w") as f:
         json.dump(result, f, indent=1)
-    lines = ["| nodes | FX copy+lint+recompile (s) | fxsched pipeline (s) | ratio (goal <= 3) | lower | verify (one) | passes | raise | moved fwd/bwd | sunk |",
-             "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = ["| nodes | FX copy+lint+recompile (s) | reference pipeline (s) | ratio (goal <= 3) | default pipeline (s) | ratio | lower | verify (one) | passes | raise | moved fwd/bwd | sunk |",
+             "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         s = r["stages_s"]
         lines.append(f"| {r['nodes']} | {r['fx_copy_lint_recompile_s']} | {r['pipeline_s']} | {r['ratio_to_fx']} | "
+                     f"{r['default_pipeline_s']} | {r['default_ratio_to_fx']} | "
                      f"{s['lower']} | {s['verify (one)']} | {s['passes']} | {s['raise']} | "
                      f"{r['moved_forward']}/{r['moved_backward']} | {r['sunk']} |")
     if "growth" in result:
@@ -106,7 +110,8 @@ def main() -> None:
         lines.append(f"\ntime({g['sizes'][1]}) / time({g['sizes'][0]}) = {g['time_ratio']} (goal <= 12 for 10k -> 100k)")
     table = "\n".join(lines) + "\n"
     with open(os.path.join(OUT, "pipeline.md"), "w") as f:
-        f.write(f"Pipeline `{REFERENCE_PIPELINE}` (verify after each pass), best of {args.repeat}; "
+        f.write(f"Reference `{REFERENCE_PIPELINE}` and default `{DEFAULT_PIPELINE}` pipelines "
+                f"(verify after each pass), best of {args.repeat}; "
                 f"{result['machine']}.\n\n{table}")
     print(table)
 
