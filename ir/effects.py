@@ -33,14 +33,16 @@ def storage_root(program: Program, name: str) -> str:
 def storage_readers(program: Program, root: str) -> set[str]:
     """Every node that reads `root`'s storage directly or through a chain of views."""
     readers: set[str] = set()
+    succ, node = program.graph._succ, program.graph._node
     stack = [root]
     while stack:
         current = stack.pop()
-        for user in program.graph.succ[current]:
-            if program.graph.edges[current, user]["kind"] != DATA or user in readers:
+        for user, e in succ[current].items():
+            if e["kind"] != DATA or user in readers:
                 continue
             readers.add(user)
-            if isinstance(program.op(user), View) and program.op(user).operands[0] == current:
+            op = node[user]["op"]
+            if isinstance(op, View) and op.operands[0] == current:
                 stack.append(user)
     return readers
 

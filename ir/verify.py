@@ -6,6 +6,8 @@ leave the program verified; the pass manager runs this between passes.
 
 from __future__ import annotations
 
+import gc
+
 import networkx as nx
 
 from .effects import storage_readers, storage_root
@@ -23,6 +25,16 @@ class VerifyError(ValueError):
 
 def verify(program: Program) -> None:
     """Raise VerifyError listing every broken rule (structure first, then the schedule)."""
+    paused = gc.isenabled()  # the checks allocate many small objects next to a large graph
+    gc.disable()
+    try:
+        _verify(program)
+    finally:
+        if paused:
+            gc.enable()
+
+
+def _verify(program: Program) -> None:
     problems = _structure(program)
     if not problems:
         problems = _schedule(program)
@@ -36,60 +48,71 @@ def verify(program: Program) -> None:
 
 
 def _structure(program: Program) -> list[str]:
+    # raw adjacency dicts: networkx's views cost more than the checks at 100k nodes
     graph = program.graph
+    succ, pred, node = graph._succ, graph._pred, graph._node
     problems = []
-    for name, data in graph.nodes(data=True):
+    for name, data in node.items():
         op = data.get("op")
         if op is None or op.name != name:
             problems.append(f"%{name}: node has no op or a mismatched name")
             continue
-        data_preds = {p for p in graph.pred[name] if graph.edges[p, name]["kind"] == DATA}
+        data_preds = {p for p, e in pred[name].items() if e["kind"] == DATA}
         if data_preds != set(op.operands):
             problems.append(f"%{name}: data edges {sorted(data_preds)} differ from operands {list(op.operands)}")
     if problems:
         return problems
-    for name, data in graph.nodes(data=True):
+    for name, data in node.items():
         op = data["op"]
         if isinstance(op, Wait):
-            launches = [p for p in op.operands if isinstance(program.op(p), Launch)]
+            launches = [p for p in op.operands if isinstance(node[p]["op"], Launch)]
             if len(op.operands) != 1 or len(launches) != 1:
                 problems.append(f"%{name}: a wait must have exactly one operand, a launch; has {list(op.operands)}")
         elif isinstance(op, Launch):
-            waits = [u for u, e in graph.succ[name].items() if e["kind"] == DATA and isinstance(program.op(u), Wait)]
+            waits = [u for u, e in succ[name].items() if e["kind"] == DATA and isinstance(node[u]["op"], Wait)]
             if len(waits) != 1:
                 problems.append(f"%{name}: a launch must have exactly one wait; has {len(waits)}")
+            if op.nbytes is not None and (not isinstance(op.nbytes, int) or isinstance(op.nbytes, bool)
+                                          or op.nbytes < 0):
+                problems.append(f"%{name}: nbytes must be a non-negative int, or absent when unknown; "
+                                f"has {op.nbytes!r}")
     return problems
 
 
 def _schedule(program: Program) -> list[str]:
     graph = program.graph
+    node = graph._node
     schedule = program.schedule
     problems = []
     names = schedule.names()
-    if len(names) != len(set(names)) or set(names) != set(graph.nodes):
-        missing = sorted(set(graph.nodes) - set(names))[:5]
-        extra = sorted(set(names) - set(graph.nodes))[:5]
+    if len(names) != len(set(names)) or set(names) != set(node):
+        missing = sorted(set(node) - set(names))[:5]
+        extra = sorted(set(names) - set(node))[:5]
         seen: set[str] = set()
         repeated = sorted({n for n in names if n in seen or seen.add(n)})[:5]
         return [f"schedule is not a permutation of the nodes: missing {missing}, unknown {extra}, repeated {repeated}"]
-    pos = schedule.index
-    for u, v, e in graph.edges(data=True):
-        if pos(u) >= pos(v):
-            rule = "a data edge" if e["kind"] == DATA else f"an effect edge ({e['why']})"
-            problems.append(f"%{v}: scheduled before %{u}, which it must follow by {rule}")
+    pos = {n: i for i, n in enumerate(names)}
+    for u, nbrs in graph._succ.items():
+        at = pos[u]
+        for v, e in nbrs.items():
+            if at >= pos[v]:
+                rule = "a data edge" if e["kind"] == DATA else f"an effect edge ({e['why']})"
+                problems.append(f"%{v}: scheduled before %{u}, which it must follow by {rule}")
     seen_backward = None
+    frees = []
     for name in names:
-        op = program.op(name)
+        op = node[name]["op"]
         if isinstance(op, (Input, Marker, Output)):
             continue
+        if isinstance(op, Free) and op.operands:
+            frees.append(name)
         if op.phase is Phase.BACKWARD:
             seen_backward = seen_backward or name
         elif seen_backward is not None:
             problems.append(f"%{name}: forward op scheduled after backward op %{seen_backward} (phases out of order)")
-    for name in names:
-        op = program.op(name)
-        if isinstance(op, Free) and op.operands:
-            for reader in storage_readers(program, storage_root(program, op.operands[0])):
-                if reader != name and pos(reader) > pos(name) and not isinstance(program.op(reader), Free):
-                    problems.append(f"%{reader}: reads storage freed by %{name} but is scheduled after it")
+    for name in frees:
+        at = pos[name]
+        for reader in storage_readers(program, storage_root(program, node[name]["op"].operands[0])):
+            if reader != name and pos[reader] > at and not isinstance(node[reader]["op"], Free):
+                problems.append(f"%{reader}: reads storage freed by %{name} but is scheduled after it")
     return problems
