@@ -1,14 +1,264 @@
-"""The `fxsched` command: `demo` (a built-in model through the front and a pipeline) and `passes`."""
+"""The `fxsched` command.
+
+    fxsched demo                          a built-in model through the FSDP front and a pipeline
+    fxsched schedule MODULE:FUNCTION      schedule the GraphModule FUNCTION() returns
+    fxsched explain MODULE:FUNCTION       why each gather moved, or did not
+    fxsched passes                        the passes, their options and defaults
+
+Exit codes: 0 ok; 1 a failed check or a pass failure; 2 bad arguments or input (unknown
+pass or option, a module that does not import, a function that does not return a
+GraphModule, tags the lowering cannot interpret).
+"""
 
 from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
+import functools
+import importlib
+import importlib.util
 import json
+import logging
+import os
 import sys
 import time
+import traceback
 
 EXIT_OK, EXIT_USAGE, EXIT_FAILED = 0, 2, 1
+LOG = logging.getLogger("fxsched.cli")
+
+# why a gather stays, in words (the passes record the short reason)
+REASON_TEXT = {
+    "first group": "its consumer is the first of its phase: no earlier compute to hide it behind",
+    "depth 0": "prefetch depth is 0 in its phase",
+    "no consumer": "nothing reads what it gathers",
+    "over budget": "launching it early would put more unsharded bytes in flight than max-in-flight-gb allows",
+    "unknown size": "its unsharded size is unknown (fsdp_unsharded_nbytes), so the budget cannot admit it",
+    "no earlier legal slot": "an input, a barrier, a free or the start of its phase keeps it where it is",
+    "hidden where it is": "the cost model says its communication already ends before its consumer needs it",
+    "cannot be hidden": "even its earliest legal launch leaves some communication exposed (the cost model says so)",
+    "no parameter name": "its tags name no parameter (param_name): left alone",
+    "bucket without members": "its bucket lists no members (fsdp_bucket_members): left alone",
+}
+
+
+class UsageError(Exception):
+    """Bad arguments or input: reported as `fxsched: <message>`, exit code 2."""
+
+
+# --------------------------------------------------------------------------- progress
+
+
+class Progress:
+    """Stage names with elapsed seconds on stderr (when it is a terminal, or asked for)."""
+
+    def __init__(self, enabled: bool):
+        self.enabled = enabled
+        self.started = time.perf_counter()
+
+    def stage(self, text: str) -> None:
+        if self.enabled:
+            print(f"fxsched [{time.perf_counter() - self.started:7.2f}s] {text}", file=sys.stderr, flush=True)
+
+
+def _progress(args) -> Progress:
+    return Progress(bool(getattr(args, "progress", False)) or sys.stderr.isatty())
+
+
+def _progress_instrument(progress: Progress, total: int):
+    from .passes import Instrument
+
+    class ShowProgress(Instrument):
+        def __init__(self):
+            self.done = 0
+
+        def before(self, p, program):
+            if self.done == 0:
+                progress.stage(f"lowered: {program.graph.number_of_nodes()} IR ops")
+            progress.stage(f"pass {self.done + 1}/{total}: {p}")
+
+        def after(self, p, program, result):
+            self.done += 1
+            if self.done == total:
+                progress.stage("raising")
+
+    return ShowProgress()
+
+
+# --------------------------------------------------------------------------- loading a user's graph
+
+
+def load_function(spec: str):
+    """`MODULE:FUNCTION` → the callable. MODULE is a dotted module name (the current directory is
+    on the path, as for `python -m`) or a path to a .py file; FUNCTION may be dotted (`Class.make`)."""
+    module_name, sep, attr = spec.rpartition(":")
+    if not sep or not module_name or not attr:
+        raise UsageError(f"expected MODULE:FUNCTION (e.g. mypkg.graphs:build), got {spec!r}")
+    try:
+        if module_name.endswith(".py") or os.sep in module_name:
+            if not os.path.isfile(module_name):
+                raise UsageError(f"no such file: {module_name}")
+            name = "_fxsched_user_" + os.path.splitext(os.path.basename(module_name))[0]
+            found = importlib.util.spec_from_file_location(name, module_name)
+            module = importlib.util.module_from_spec(found)
+            sys.modules[name] = module
+            found.loader.exec_module(module)
+        else:
+            if os.getcwd() not in sys.path and "" not in sys.path:
+                sys.path.insert(0, os.getcwd())
+            module = importlib.import_module(module_name)
+    except UsageError:
+        raise
+    except (Exception, SystemExit) as exc:
+        LOG.debug("import of %s failed:\n%s", module_name, traceback.format_exc())
+        raise UsageError(f"cannot import {module_name!r}: {type(exc).__name__}: {exc}") from exc
+    try:
+        fn = functools.reduce(getattr, attr.split("."), module)
+    except AttributeError:
+        raise UsageError(f"module {module_name!r} has no attribute {attr!r}") from None
+    if not callable(fn):
+        raise UsageError(f"{spec} is a {type(fn).__name__}, not a function")
+    return fn
+
+
+def load_graph(spec: str):
+    """Call the `MODULE:FUNCTION` of `spec` with no arguments; it must return a torch.fx.GraphModule."""
+    from torch import fx
+
+    fn = load_function(spec)
+    try:
+        gm = fn()
+    except Exception as exc:
+        LOG.debug("%s() raised:\n%s", spec, traceback.format_exc())
+        raise UsageError(f"{spec}() raised {type(exc).__name__}: {exc}") from exc
+    if not isinstance(gm, fx.GraphModule):
+        raise UsageError(f"{spec}() returned {type(gm).__name__}, not a torch.fx.GraphModule")
+    return gm
+
+
+# --------------------------------------------------------------------------- reports as text
+
+
+def timing_text(timing) -> str:
+    return "  " + timing.report().replace("\n", "\n  ").rstrip() if timing else ""
+
+
+def _where(row: dict) -> str:
+    if row["moved"]:
+        return f"before %{row['anchor']}" if row["anchor"] else "moved (by an earlier run)"
+    return f"stays ({row['reason']})" if row["reason"] else "stays"
+
+
+def report_lines(report: dict) -> list[str]:
+    """The report as a table: per-pass statistics, one row per gather, the program's notes."""
+    lines = [f"  pipeline: {report['pipeline']}"]
+    for name, stats in report["passes"].items():
+        shown = ", ".join(f"{k}={v}" for k, v in stats.items() if k != "changed")
+        lines.append(f"    {name:<40} {shown}")
+    if report["gathers"]:
+        lines.append("  gathers:")
+        width = max(len(row["launch"]) for row in report["gathers"])
+        for row in report["gathers"]:
+            params = ",".join(row["params"])
+            lines.append(f"    %{row['launch']:<{width}} {row['phase']} {params[:40]:<40} {_where(row)}")
+    lines += [f"  note: {note}" for note in report["notes"]]
+    return lines
+
+
+def summary_line(report: dict) -> str:
+    rows = report["gathers"]
+    phases = collections.Counter(row["phase"] for row in rows if row["moved"])
+    held = collections.Counter(row["reason"] for row in rows if not row["moved"] and row["reason"])
+    sunk = sum(s.get("sunk", 0) for k, s in report["passes"].items() if k.split("{")[0].split("#")[0] == "sink")
+    text = (f"  {len(rows)} gathers: {sum(phases.values())} moved "
+            f"({', '.join(f'{p} {n}' for p, n in sorted(phases.items())) or 'none'}), {sunk} nodes sunk")
+    if held:
+        text += "; stayed: " + ", ".join(f"{r} {n}" for r, n in sorted(held.items()))
+    return text
+
+
+def explain_lines(report: dict, before: dict[str, int], after: dict[str, int]) -> list[str]:
+    """For each gather: moved or not, where to, and why; then the program's notes."""
+    lines = []
+    for row in report["gathers"]:
+        head = (f"%{row['launch']} ({row['phase']}, {row['role']}, {', '.join(row['params']) or 'no parameter'}"
+                f"{', bucket ' + row['bucket'] if row['bucket'] else ''}, "
+                f"{'size unknown' if row['nbytes'] is None else _bytes(row['nbytes'])})")
+        lines.append(head)
+        name = row["launch"]
+        if row["moved"]:
+            shift = before.get(name, 0) - after.get(name, 0)
+            where = f"launches just before %{row['anchor']}" if row["anchor"] else "moved by an earlier run"
+            lines.append(f"    moved: {where} ({shift} nodes earlier than traced)")
+        elif row["reason"]:
+            lines.append(f"    stays: {row['reason']}: {REASON_TEXT.get(row['reason'], row['reason'])}")
+        else:
+            lines.append("    stays: no pass of the pipeline anchored it")
+    if not report["gathers"]:
+        lines.append("no FSDP gathers (untagged graph? try --structural)")
+    lines += [f"note: {note}" for note in report["notes"]]
+    return lines
+
+
+def _bytes(n: int) -> str:
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{n} B"
+
+
+# --------------------------------------------------------------------------- simulation (cost/)
+
+
+def _cost():
+    """fxsched.cost, or None while it offers no simulator."""
+    try:
+        from . import cost
+    except ImportError:
+        return None
+    needed = ("simulate", "chrome_trace", "before_after", "compare_table", "hardware")
+    return cost if all(hasattr(cost, f) for f in needed) else None
+
+
+def _check_hardware(name: str) -> None:
+    cost = _cost()
+    if cost is not None:
+        try:
+            cost.hardware(name)
+        except ValueError as exc:
+            raise UsageError(str(exc)) from None
+
+
+def simulate_before_after(gm, done, hardware: str, record: bool):
+    """(before, after) Simulations of `gm` as traced and as scheduled, or None without a simulator."""
+    cost = _cost()
+    if cost is None:
+        return None
+    from .lowering import lower
+
+    before = cost.simulate(lower(gm), hardware, record=record)
+    after = cost.simulate(done.program, hardware, record=record)
+    return before, after
+
+
+def write_trace(path: str, before, after) -> None:
+    """One Chrome trace with the schedule before (process 1) and after (process 2) the pipeline."""
+    cost = _cost()
+    first = cost.chrome_trace(before, label="before (as traced)", pid=1)
+    second = cost.chrome_trace(after, label="after (scheduled)", pid=2)
+    trace = {"traceEvents": first["traceEvents"] + second["traceEvents"], "displayTimeUnit": "ms",
+             "otherData": {"before": first.get("otherData"), "after": second.get("otherData")}}
+    with open(path, "w") as f:
+        json.dump(trace, f)
+
+
+def _write_json(path: str, data: dict) -> None:
+    with open(path, "w") as f:
+        json.dump(data, f, indent=1)
+
+
+# --------------------------------------------------------------------------- commands
 
 
 def _demo(args) -> int:
@@ -19,13 +269,19 @@ def _demo(args) -> int:
     from .ir import Launch
     from .models import build_model
 
+    _check_hardware(args.hardware)
+    progress = _progress(args)
     started = time.perf_counter()
+    progress.stage(f"tracing {args.model} ({args.layers} layers)")
     module, inputs, model_loss = build_model(args.model, layers=args.layers, width=args.width, seed=args.seed)
     front = fsdp_joint_graph(module, inputs, lambda m, *xs: model_loss(m(*xs), *xs), args.world_size,
                              buckets="per-module" if args.buckets else None,
                              mixed_precision=torch.bfloat16 if args.bf16 else None)
     traced = time.perf_counter()
-    done = schedule(front.gm, args.pipeline, timing=True)
+    from .passes import parse_pipeline
+
+    instruments = [_progress_instrument(progress, len(parse_pipeline(args.pipeline)))]
+    done = schedule(front.gm, args.pipeline, timing=True, instruments=instruments, cost_model=args.hardware)
     program = done.program
     kinds = collections.Counter(op.KIND for op in program.ops())
     effects = collections.Counter(why for _, _, why in program.effect_edges())
@@ -41,20 +297,32 @@ def _demo(args) -> int:
     print("  ops:      " + ", ".join(f"{k} {v}" for k, v in sorted(kinds.items())))
     print("  effects:  " + ", ".join(f"{k} {v}" for k, v in sorted(effects.items())))
     print("  collectives: " + ", ".join(f"{k} {v}" for k, v in sorted(roles.items())))
-    print(f"  pipeline: {done.pipeline}")
-    for name, stats in report["passes"].items():
-        shown = ", ".join(f"{k}={v}" for k, v in stats.items() if k != "changed")
-        print(f"    {name:<40} {shown}")
+    print("\n".join(report_lines(report)))
     print(timing_text(done.timing))
-    print("  gathers:")
-    for row in report["gathers"]:
-        where = f"before %{row['anchor']}" if row["moved"] else f"stays ({row['reason']})"
-        print(f"    %{row['launch']:<28} {row['phase']} {','.join(row['params'])[:40]:<40} {where}")
-    for note in report["notes"]:
-        print(f"  note: {note}")
+    progress.stage("simulating before/after")
+    sims = simulate_before_after(front.gm, done, args.hardware, record=bool(args.trace))
+    if sims is None:
+        print("  simulation: not available (fxsched.cost offers no simulator yet)")
+    else:
+        rows = {"before": sims[0]}
+        from .passes import PassManager
+
+        if str(PassManager(args.pipeline)) != str(PassManager("reference")):  # compare with the reference too
+            reference = schedule(front.gm, "reference", cost_model=args.hardware)
+            rows["reference"] = _cost().simulate(reference.program, args.hardware)
+        rows["after"] = sims[1]
+        print(f"  simulated on {args.hardware} (roofline cost model; after = {done.pipeline}):")
+        print("    " + _cost().compare_table(rows, baseline="before").rstrip().replace("\n", "\n    "))
+        report = {**report, "simulation": {"hardware": args.hardware,
+                                           **{name: sim.summary() for name, sim in rows.items()}}}
+        if args.trace:
+            write_trace(args.trace, *sims)
+            print(f"  timeline written to {args.trace} (open in https://ui.perfetto.dev or chrome://tracing)")
+    status = EXIT_OK
     if args.check:
         from .runtime import run_graph
 
+        progress.stage(f"running before/after on {args.world_size} gloo ranks")
         data = [inputs] * args.world_size
         feeds = [front.shard_inputs(module, r, data[r]) for r in range(args.world_size)]
         before = run_graph(front.gm, feeds)
@@ -62,21 +330,113 @@ def _demo(args) -> int:
         same = all(torch.equal(a, b) for ra, rb in zip(before, after) for a, b in zip(ra, rb))
         print(f"  check on {args.world_size} gloo ranks: loss and gradients "
               f"{'bitwise equal' if same else 'DIFFER'} before/after scheduling")
-        if not same:
-            return EXIT_FAILED
+        status = EXIT_OK if same else EXIT_FAILED
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(report, f, indent=1, default=str)
+        _write_json(args.json, report)
         print(f"  report written to {args.json}")
+    return status
+
+
+def _schedule_graph(args, progress: Progress, instruments=(), timing=False):
+    """Load the user's graph, tag it (--structural) and run the pipeline: (gm, done, structural result)."""
+    from . import schedule
+    from .lowering import LoweringError
+    from .passes import parse_pipeline
+
+    total = len(parse_pipeline(args.pipeline))  # a bad pipeline fails here, before any import
+    progress.stage(f"loading {args.function}")
+    gm = load_graph(args.function)
+    LOG.info("%s: %d FX nodes", args.function, len(gm.graph.nodes))
+    structural = None
+    if args.structural:
+        from .lowering.structural import tag_fsdp_gathers
+
+        structural = tag_fsdp_gathers(gm)
+        LOG.info("%s", structural)
+    progress.stage(f"lowering {len(gm.graph.nodes)} FX nodes")
+    try:
+        done = schedule(gm, args.pipeline, timing=timing, cost_model=args.hardware,
+                        instruments=[_progress_instrument(progress, total), *instruments])
+    except LoweringError as exc:
+        raise UsageError(f"cannot lower {args.function}(): {exc}") from exc
+    progress.stage("done")
+    for name, stats in done.report["passes"].items():
+        LOG.info("pass %s: %s", name, ", ".join(f"{k}={v}" for k, v in stats.items()))
+    return gm, done, structural
+
+
+def _schedule(args) -> int:
+    from .passes import PrintIR
+
+    _check_hardware(args.hardware)
+    if args.trace and _cost() is None:
+        raise UsageError("--trace: not available yet (fxsched.cost offers no schedule simulator)")
+    progress = _progress(args)
+    instruments = []
+    if args.print_ir_before or args.print_ir_after or args.print_ir_after_change:
+        instruments.append(PrintIR(before=args.print_ir_before,
+                                   after=args.print_ir_after or args.print_ir_after_change,
+                                   only_changed=args.print_ir_after_change and not args.print_ir_after))
+    gm, done, structural = _schedule_graph(args, progress, instruments, timing=args.timing)
+    report = done.report
+    print(f"fxsched schedule {args.function}: {len(gm.graph.nodes)} FX nodes, "
+          f"{done.program.graph.number_of_nodes()} IR ops")
+    if not args.report:  # the report starts with it
+        print(f"  pipeline: {done.pipeline}")
+    print(summary_line(report))
+    if structural is not None:
+        report = {**report, "structural": structural.as_dict()}
+        print(f"  structural: {len(structural.tagged)} gathers tagged, {len(structural.skipped)} not")
+    elif not report["gathers"]:
+        print("  no tagged FSDP gathers: nothing to schedule (untagged graph? try --structural)")
+    sims = None
+    if args.report or args.trace or args.json:
+        progress.stage("simulating before/after")
+        sims = simulate_before_after(gm, done, args.hardware, record=bool(args.trace))
+        if sims is not None:
+            report = {**report, "simulation": {"hardware": args.hardware, "before": sims[0].summary(),
+                                               "after": sims[1].summary()}}
+    if args.report:
+        print("\n".join(report_lines(report)))
+        if sims is not None:
+            print(f"  simulated on {args.hardware} (roofline cost model):")
+            print("    " + _cost().before_after(*sims).rstrip().replace("\n", "\n    "))
+    if args.timing:
+        print(timing_text(done.timing))
+    if args.trace:
+        write_trace(args.trace, *sims)
+        print(f"  timeline written to {args.trace}")
+    if args.json:
+        _write_json(args.json, report)
+        print(f"  report written to {args.json}")
+    if args.output:
+        code = done.graph_module.code
+        if args.output == "-":
+            print(code)
+        else:
+            with open(args.output, "w") as f:
+                f.write(code)
+            print(f"  scheduled graph's code written to {args.output}")
     return EXIT_OK
 
 
-def timing_text(timing) -> str:
-    return "  " + timing.report().replace("\n", "\n  ").rstrip() if timing else ""
+def _explain(args) -> int:
+    _check_hardware(args.hardware)
+    progress = _progress(args)
+    gm, done, structural = _schedule_graph(args, progress)
+    before = {n.name: i for i, n in enumerate(gm.graph.nodes)}
+    after = {n.name: i for i, n in enumerate(done.graph_module.graph.nodes)}
+    print(f"fxsched explain {args.function} ({done.pipeline}):")
+    print(summary_line(done.report).strip())
+    print("\n".join(explain_lines(done.report, before, after)))
+    if args.json:
+        report = done.report if structural is None else {**done.report, "structural": structural.as_dict()}
+        _write_json(args.json, report)
+    return EXIT_OK
 
 
 def _passes(args) -> int:
-    from .passes import PASSES, REFERENCE_PIPELINE
+    from .passes import PASSES, PIPELINES
 
     for name in sorted(PASSES):
         cls = PASSES[name]
@@ -84,16 +444,42 @@ def _passes(args) -> int:
         print(f"{name}: {doc.split(': ', 1)[-1]}")
         for text_name, field in cls.options().items():
             print(f"    {text_name} (default {field.default!r})")
-    print(f"reference pipeline: {REFERENCE_PIPELINE}")
+    for name, text in PIPELINES.items():
+        print(f"{name} pipeline: {text}")
     return EXIT_OK
 
 
-def main(argv: list[str] | None = None) -> int:
-    from .passes import REFERENCE_PIPELINE
+# --------------------------------------------------------------------------- the parser
 
-    parser = argparse.ArgumentParser(prog="fxsched", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
-    demo = sub.add_parser("demo", help="trace a built-in model through the FSDP front and schedule it")
+
+def build_parser() -> argparse.ArgumentParser:
+    from .passes import DEFAULT_PIPELINE, PIPELINES
+
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("-v", "--verbose", action="store_true", help="log fxsched.* at INFO on stderr")
+    common.add_argument("--progress", action="store_true",
+                        help="show stages and elapsed seconds on stderr (default: only when stderr is a terminal)")
+    pipeline = argparse.ArgumentParser(add_help=False)
+    pipeline.add_argument("--pipeline", default="default",
+                          help=f"passes as text, e.g. 'anchor{{forward-depth=2}},budget,prefetch,sink', or a "
+                               f"name: {', '.join(PIPELINES)} (default: default = {DEFAULT_PIPELINE}); "
+                               f"see `fxsched passes`")
+    pipeline.add_argument("--hardware", default="h100",
+                          help="cost model profile for cost-guided passes and the simulation: h100 (default), "
+                               "h200, 910b")
+    user = argparse.ArgumentParser(add_help=False)
+    user.add_argument("function", metavar="MODULE:FUNCTION",
+                      help="a function of no arguments returning a torch.fx.GraphModule; MODULE is a dotted "
+                           "name or a .py path")
+    user.add_argument("--structural", action="store_true",
+                      help="first tag untagged FSDP gathers found structurally (torch.compile / SimpleFSDP graphs)")
+
+    parser = argparse.ArgumentParser(prog="fxsched", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    demo = sub.add_parser("demo", parents=[common, pipeline],
+                          help="trace a built-in model through the FSDP front and schedule it")
     demo.add_argument("--model", default="gpt", choices=["gpt", "llama", "encoder"])
     demo.add_argument("--layers", type=int, default=4)
     demo.add_argument("--width", type=int, default=64)
@@ -101,20 +487,60 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--world-size", type=int, default=2)
     demo.add_argument("--buckets", action="store_true", help="one gather per module")
     demo.add_argument("--bf16", action="store_true", help="mixed precision: gather bf16 shards")
-    demo.add_argument("--pipeline", default=REFERENCE_PIPELINE)
+    demo.add_argument("--trace", default="fxsched-demo.trace.json", metavar="FILE",
+                      help="Chrome trace of the simulated schedule before/after (default %(default)s)")
+    demo.add_argument("--no-trace", dest="trace", action="store_const", const=None, help="write no trace")
     demo.add_argument("--no-check", dest="check", action="store_false",
                       help="skip running before/after on gloo ranks")
-    demo.add_argument("--json", help="also write the report as JSON to this file")
+    demo.add_argument("--json", metavar="FILE", help="also write the report as JSON to this file")
     demo.set_defaults(run=_demo)
-    sub.add_parser("passes", help="list passes with their options and defaults").set_defaults(run=_passes)
-    args = parser.parse_args(argv)
-    from .passes import PipelineError
 
+    sched = sub.add_parser("schedule", parents=[common, user, pipeline],
+                           help="schedule the GraphModule a user's function returns")
+    sched.add_argument("--report", action="store_true",
+                       help="print the report: pass statistics, each gather, notes, simulated before/after")
+    sched.add_argument("--json", metavar="FILE", help="write the report as JSON to this file")
+    sched.add_argument("--trace", metavar="FILE", help="write a Chrome trace of the simulated schedule before/after")
+    sched.add_argument("--print-ir-before", action="store_true", help="print the IR before each pass (stderr)")
+    sched.add_argument("--print-ir-after", action="store_true", help="print the IR after each pass (stderr)")
+    sched.add_argument("--print-ir-after-change", action="store_true",
+                       help="print the IR after each pass that changed it (stderr)")
+    sched.add_argument("--timing", action="store_true", help="time each pass")
+    sched.add_argument("--output", "-o", metavar="FILE", help="write the scheduled graph's code ('-': stdout)")
+    sched.set_defaults(run=_schedule)
+
+    explain = sub.add_parser("explain", parents=[common, user, pipeline],
+                             help="for each gather: moved or not, where to, and why")
+    explain.add_argument("--json", metavar="FILE", help="write the report as JSON to this file")
+    explain.set_defaults(run=_explain)
+
+    sub.add_parser("passes", parents=[common], help="list passes with their options and defaults").set_defaults(
+        run=_passes)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
     try:
-        return args.run(args)
-    except PipelineError as exc:
-        print(f"fxsched: {exc}", file=sys.stderr)
-        return EXIT_USAGE
+        args = parser.parse_args(argv)
+    except SystemExit as exc:  # argparse printed its message (exit 2) or the help (exit 0)
+        return int(exc.code or 0)
+    from .logs import log_to
+    from .passes import PassFailure, PipelineError
+    from .raising.fx import RaisingError
+
+    with log_to(sys.stderr, logging.INFO) if args.verbose else contextlib.nullcontext():
+        try:
+            return args.run(args)
+        except (UsageError, PipelineError) as exc:
+            print(f"fxsched: {exc}", file=sys.stderr)
+            return EXIT_USAGE
+        except (PassFailure, RaisingError) as exc:
+            print(f"fxsched: {exc}", file=sys.stderr)
+            return EXIT_FAILED
+        except OSError as exc:  # an output file that cannot be written
+            print(f"fxsched: {exc}", file=sys.stderr)
+            return EXIT_USAGE
 
 
 if __name__ == "__main__":
