@@ -22,6 +22,7 @@ from .gathers import Gather, GatherAnalysis
 class Anchor(ModulePass):
     name = "anchor"
     preserves = (GatherAnalysis,)
+    reorders_only = True
 
     forward_depth: int = 1
     backward_depth: int = 1

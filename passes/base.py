@@ -62,6 +62,9 @@ class ModulePass:
     name: ClassVar[str] = ""
     #: analyses still valid after this pass ran, whatever it changed
     preserves: ClassVar[tuple[type[Analysis], ...]] = ()
+    #: the pass only reorders the schedule and updates op attributes (no ops or edges added,
+    #: removed or rewired), so the manager re-verifies only the schedule after it
+    reorders_only: ClassVar[bool] = False
 
     def apply(self, ctx: PassContext, program: Program) -> PassResult:
         raise NotImplementedError

@@ -145,6 +145,7 @@ class _InFlight:
 class Budget(ModulePass):
     name = "budget"
     preserves = (GatherAnalysis,)
+    reorders_only = True
 
     max_in_flight_gb: float = 1.0
 

@@ -31,6 +31,7 @@ NOT_HIDDEN = "cannot be hidden"  # still anchored: as early as legal exposes the
 class Hide(ModulePass):
     name = "hide"
     preserves = (GatherAnalysis, CostAnalysis)
+    reorders_only = True
 
     def apply(self, ctx: PassContext, program: Program) -> PassResult:
         gathers = ctx.get(GatherAnalysis, program)

@@ -22,6 +22,7 @@ from .gathers import GatherAnalysis
 class OverlapReduceScatter(ModulePass):
     name = "overlap-reduce-scatter"
     preserves = (GatherAnalysis,)
+    reorders_only = True
 
     max_in_flight_gb: float = 1.0
 

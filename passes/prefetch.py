@@ -21,6 +21,7 @@ from .placement import NO_EARLIER_SLOT, plan
 class Prefetch(ModulePass):
     name = "prefetch"
     preserves = (GatherAnalysis,)
+    reorders_only = True
 
     def apply(self, ctx: PassContext, program: Program) -> PassResult:
         analysis = ctx.get(GatherAnalysis, program)

@@ -19,6 +19,7 @@ from .gathers import GatherAnalysis
 class Sink(ModulePass):
     name = "sink"
     preserves = (GatherAnalysis,)
+    reorders_only = True
 
     def apply(self, ctx: PassContext, program: Program) -> PassResult:
         analysis = ctx.get(GatherAnalysis, program)
