@@ -131,9 +131,9 @@ def _barrier_edges(program: Program, order: list[str], ops: dict[str, Op]) -> No
     if not barriers:
         return
     for name, seg in segment.items():
-        if seg < len(barriers) and not any(segment.get(s) == seg for s in graph.succ[name]):
+        if seg < len(barriers) and not any(segment.get(s) == seg for s in graph._succ[name]):
             program.add_effect(name, barriers[seg], "barrier")
-        if seg > 0 and not any(segment.get(p) == seg for p in graph.pred[name]):
+        if seg > 0 and not any(segment.get(p) == seg for p in graph._pred[name]):
             program.add_effect(barriers[seg - 1], name, "barrier")
 
 
@@ -144,9 +144,9 @@ def _phase_edges(program: Program, order: list[str], ops: dict[str, Op]) -> None
     phase = {n: op.phase for n, op in ops.items() if _phased(op) or isinstance(op, Barrier)}
     for name, ph in phase.items():
         if ph is Phase.FORWARD:
-            if not any(phase.get(s) is Phase.FORWARD for s in graph.succ[name]):
+            if not any(phase.get(s) is Phase.FORWARD for s in graph._succ[name]):
                 program.add_effect(name, BACKWARD, "phase")
-        elif not any(phase.get(p) is Phase.BACKWARD for p in graph.pred[name]):
+        elif not any(phase.get(p) is Phase.BACKWARD for p in graph._pred[name]):
             program.add_effect(BACKWARD, name, "phase")
 
 
@@ -162,9 +162,9 @@ def _boundary_edges(program: Program, order: list[str], ops: dict[str, Op]) -> N
         op = ops[name]
         if isinstance(op, Input) or name == ENTRY:
             continue
-        if all(isinstance(ops[p], Input) for p in graph.pred[name]):
+        if all(isinstance(ops[p], Input) for p in graph._pred[name]):
             program.add_effect(ENTRY, name, "entry")
         if not isinstance(op, Output):
             for out in outputs:
-                if not graph.succ[name]:
+                if not graph._succ[name]:
                     program.add_effect(name, out, "output")
