@@ -1,0 +1,255 @@
+"""Do all ranks run the same collective schedule? A fingerprint of the collective order, and a
+cross-rank check that fails with a clear error instead of a hang or wrong numbers.
+
+Reordering collectives is safe only when every rank issues the same collectives in the same
+order. Ranks that differ abort in gloo ("Received data size doesn't match expected size"),
+hang, or — for collectives of the same size — silently exchange the wrong tensors. fxsched's
+passes depend on nothing but the graph and the config, so ranks that start from the same graph
+agree; `check_ranks_agree` checks it where that matters (a graph traced per rank, a pass
+pipeline configured per rank).
+
+    done = fxsched.schedule(gm)
+    fingerprint(done.graph_module)       # sha256 hex of the collective order
+    check_ranks_agree(done.graph_module) # in every rank, before running it
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections import Counter
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import fx
+
+from ..ir import Launch
+from ..lowering.fx import target_name, value_types
+
+__all__ = ["ScheduleMismatch", "check_ranks_agree", "collective_entries", "compare_entries", "describe", "fingerprint"]
+
+_VERSION = "fxsched-collectives-v1"
+_NAMESPACES = ("_c10d_functional", "c10d_functional", "c10d")
+_GATHER_TAGS = ("fsdp_all_gather", "fsdp_all_gather_backward")
+_ROLES = (*_GATHER_TAGS, "fsdp_reduce_scatter")
+
+
+class ScheduleMismatch(RuntimeError):
+    """Ranks would issue different collectives, or the same ones in a different order.
+
+    `ranks`: the ranks (in the group) whose schedule differs from the majority's, `agreeing`:
+    the majority, `index`: the position of the first collective that differs, `digests`: every
+    rank's fingerprint, `expected`/`found`: the collective at `index` on the majority and on
+    the first differing rank (None past the end of a rank's list).
+    """
+
+    def __init__(self, message: str, *, ranks: list[int], agreeing: list[int], index: int,
+                 digests: list[str], expected: dict | None, found: dict | None):
+        super().__init__(message)
+        self.ranks, self.agreeing, self.index = ranks, agreeing, index
+        self.digests, self.expected, self.found = digests, expected, found
+
+
+# ---- what a collective is -------------------------------------------------------------------
+
+def _fx_collective(node: fx.Node) -> bool:
+    schema = getattr(node.target, "_schema", None) if node.op == "call_function" else None
+    if schema is None:
+        return False
+    namespace, _, name = schema.name.partition("::")
+    return namespace in _NAMESPACES and not name.startswith("wait")
+
+
+def _fx_arg(node: fx.Node, name: str):
+    schema = node.target._schema
+    for arg, value in zip(schema.arguments, node.args):
+        if arg.name == name:
+            return value
+    return node.kwargs.get(name)
+
+
+def _names(value) -> list[str] | None:
+    if isinstance(value, str) and value:
+        return [value]
+    if isinstance(value, (list, tuple)) and value and all(isinstance(v, str) for v in value):
+        return list(value)
+    return None
+
+
+def _fx_entry(node: fx.Node) -> dict[str, Any]:
+    meta = node.meta
+    comm_type = meta.get("comm_type")
+    role = comm_type if comm_type in _ROLES else None
+    params: list[str] = []
+    if comm_type in _GATHER_TAGS:  # as lowering reads them: a bucket's members, else the parameter
+        if meta.get("fsdp_bucket_id") is not None:
+            params = _names(meta.get("fsdp_bucket_members")) or []
+        else:
+            params = _names(meta.get("param_name")) or []
+    group = _fx_arg(node, "group_name")
+    size = _fx_arg(node, "group_size")
+    return {
+        "kind": target_name(node),
+        "group": None if group is None else str(group),
+        "group_size": size if isinstance(size, int) and not isinstance(size, bool) and size > 0 else None,
+        "type": ", ".join(str(t) for t in value_types(node)) or "?",
+        "role": role,
+        "params": params,
+    }
+
+
+def _ir_entry(op) -> dict[str, Any]:
+    return {
+        "kind": op.target,
+        "group": op.group,
+        "group_size": op.group_size,
+        "type": ", ".join(str(t) for t in op.types) or "?",
+        "role": None if op.role is None else op.role.value,
+        "params": list(op.params),
+    }
+
+
+def collective_entries(graph_or_program) -> list[dict[str, Any]]:
+    """The collectives of a GraphModule (or fx.Graph), or of a Program, in schedule order.
+
+    Each entry: `index` (position in the collective order), `kind` (the op), `group` and
+    `group_size`, `type` (result dtype and shape, `?` when unknown), `role` (the FSDP
+    `comm_type`, if any) and `params` (the parameter names an FSDP gather realises). Waits are
+    not collectives of their own. A lowered Program reads its FX nodes, so it gives the same
+    entries as the GraphModule raised from it; a parsed one reads its launch ops. Node meta
+    (`val`, tags) is what tells sizes and names apart: a GraphModule that lost it (pickled)
+    still fingerprints kinds, groups and order.
+    """
+    entries = []
+    if isinstance(graph_or_program, (fx.GraphModule, fx.Graph)):
+        graph = graph_or_program.graph if isinstance(graph_or_program, fx.GraphModule) else graph_or_program
+        entries = [_fx_entry(n) for n in graph.nodes if _fx_collective(n)]
+    elif hasattr(graph_or_program, "schedule") and hasattr(graph_or_program, "op"):
+        program = graph_or_program
+        payload = getattr(program, "payload", None) or {}
+        for name in program.schedule:
+            node = payload.get(name)
+            if isinstance(node, fx.Node):
+                if _fx_collective(node):
+                    entries.append(_fx_entry(node))
+            elif isinstance(program.op(name), Launch):
+                entries.append(_ir_entry(program.op(name)))
+    else:
+        raise TypeError(f"fingerprint takes a GraphModule, an fx.Graph or a Program, not {type(graph_or_program).__name__}")
+    return [{"index": i, **e} for i, e in enumerate(entries)]
+
+
+def _digest(entries: Sequence[dict[str, Any]]) -> str:
+    text = json.dumps([_VERSION, *entries], sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def fingerprint(graph_or_program) -> str:
+    """sha256 (hex) of the ordered collective list of `collective_entries`: equal on every rank
+    exactly when the ranks issue the same collectives in the same order."""
+    return _digest(collective_entries(graph_or_program))
+
+
+# ---- comparing ranks ------------------------------------------------------------------------
+
+def describe(entry: dict[str, Any] | None) -> str:
+    """One collective as a person reads it."""
+    if entry is None:
+        return "no collective (its list ends here)"
+    parts = [entry["kind"], f"group {entry['group']!r}"]
+    if entry["group_size"] is not None:
+        parts.append(f"of {entry['group_size']}")
+    parts.append(entry["type"])
+    if entry["role"]:
+        parts.append(entry["role"])
+    if entry["params"]:
+        parts.append("params " + ", ".join(entry["params"]))
+    return " ".join(parts)
+
+
+def compare_entries(per_rank: Sequence[Sequence[dict[str, Any]]]) -> ScheduleMismatch | None:
+    """None when every rank's collective list is the same; else the error naming the ranks that
+    differ from the majority (ties: the side of the lowest rank) and the first differing collective."""
+    digests = [_digest(entries) for entries in per_rank]
+    counts = Counter(digests)
+    reference = max(counts, key=lambda d: (counts[d], -digests.index(d)))
+    if len(counts) == 1:
+        return None
+    agreeing = [r for r, d in enumerate(digests) if d == reference]
+    differing = [r for r, d in enumerate(digests) if d != reference]
+    expected_list = per_rank[agreeing[0]]
+
+    def first_difference(entries) -> int:
+        for i, (a, b) in enumerate(zip(expected_list, entries)):
+            if a != b:
+                return i
+        return min(len(expected_list), len(entries))
+
+    index, rank = min((first_difference(per_rank[r]), r) for r in differing)
+    found_list = per_rank[rank]
+    expected = expected_list[index] if index < len(expected_list) else None
+    found = found_list[index] if index < len(found_list) else None
+    shown = ", ".join(f"rank {r} {d[:12]}" for r, d in enumerate(digests))
+    message = (
+        f"ranks disagree on the collective schedule: rank{'s' if len(differing) > 1 else ''} "
+        f"{', '.join(map(str, differing))} differ{'' if len(differing) > 1 else 's'} from rank"
+        f"{'s' if len(agreeing) > 1 else ''} {', '.join(map(str, agreeing))} "
+        f"(fingerprints: {shown}).\n"
+        f"  first difference at collective #{index}:\n"
+        f"    rank {agreeing[0]}: {describe(expected)}\n"
+        f"    rank {rank}: {describe(found)}\n"
+        f"  ({len(expected_list)} vs {len(found_list)} collectives.) Running these schedules together "
+        "would hang or exchange the wrong tensors: give every rank the same graph and the same "
+        "pass configuration."
+    )
+    return ScheduleMismatch(message, ranks=differing, agreeing=agreeing, index=index, digests=digests,
+                            expected=expected, found=found)
+
+
+def _all_gather_bytes(data: bytes, group, device) -> list[bytes]:
+    """Every rank's `data`, in group rank order, through fixed-size tensor all-gathers (no
+    pickling, no numpy): the lengths first, then the bytes padded to the longest."""
+    world = dist.get_world_size(group)
+    length = torch.tensor([len(data)], dtype=torch.int64, device=device)
+    lengths = [torch.zeros_like(length) for _ in range(world)]
+    dist.all_gather(lengths, length, group=group)
+    longest = max(int(n.item()) for n in lengths)
+    padded = torch.zeros(longest, dtype=torch.uint8)
+    if data:
+        padded[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    padded = padded.to(device)
+    gathered = [torch.zeros_like(padded) for _ in range(world)]
+    dist.all_gather(gathered, padded, group=group)
+    return [bytes(t[:int(n.item())].cpu().tolist()) for t, n in zip(gathered, lengths)]
+
+
+def check_ranks_agree(graph_or_program, group: dist.ProcessGroup | None = None, *,
+                      device: torch.device | str | None = None) -> str:
+    """Check that every rank of `group` (default: the world) has the same collective schedule.
+
+    Every rank of the group must call it: it is a collective itself (two small all-gathers of
+    the fingerprint, two more of the collective lists only when the fingerprints differ).
+    Returns the common fingerprint, or raises ScheduleMismatch on every rank, naming the ranks
+    that differ and the first collective where they do. Ranks are numbered within `group`.
+    `device` holds the exchanged tensors: CPU, or with NCCL the current CUDA device (default).
+    """
+    if not (dist.is_available() and dist.is_initialized()):
+        raise RuntimeError("check_ranks_agree needs an initialised torch.distributed process group "
+                           "(call it in every rank, after init_process_group)")
+    if device is None:
+        device = (torch.device("cuda", torch.cuda.current_device())
+                  if dist.get_backend(group) == "nccl" else torch.device("cpu"))
+    entries = collective_entries(graph_or_program)
+    digest = _digest(entries)
+    digests = [d.decode() for d in _all_gather_bytes(digest.encode(), group, device)]
+    if all(d == digest for d in digests):
+        return digest
+    lists = [json.loads(b) for b in _all_gather_bytes(json.dumps(entries).encode(), group, device)]
+    mismatch = compare_entries(lists)
+    if mismatch is None:  # equal lists with unequal digests: different fxsched versions
+        raise ScheduleMismatch(f"ranks computed different fingerprints {digests} for equal collective "
+                               "lists: do all ranks run the same fxsched?", ranks=[], agreeing=[],
+                               index=-1, digests=digests, expected=None, found=None)
+    raise mismatch

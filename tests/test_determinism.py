@@ -1,0 +1,231 @@
+"""Determinism: the schedule depends on the graph and the config only — not on the process.
+
+Every rank runs the pass on its own; reordering collectives is safe only if all of them get the
+same order. Checked across processes with different PYTHONHASHSEEDs (string hashing, so set
+order, differs between them), and at run time by `runtime.agreement`: a fingerprint of the
+collective order and `check_ranks_agree`, which fails with a clear error naming the ranks and
+the first differing collective instead of a hang or wrong numbers.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import fxsched
+from fxsched.front.generate import generate_graph
+from fxsched.ir import parse_program, print_program
+from fxsched.lowering import lower
+from fxsched.passes import DEFAULT_PIPELINE
+from fxsched.runtime import run_ranks
+from fxsched.runtime.agreement import (ScheduleMismatch, check_ranks_agree, collective_entries, compare_entries,
+                                       describe, fingerprint)
+
+ROOT = Path(__file__).resolve().parent.parent
+
+PIPELINES = [
+    DEFAULT_PIPELINE,
+    "anchor{forward-depth=3,backward-depth=2},budget{max-in-flight-gb=3.814697265625e-06},prefetch,sink",
+    "anchor{forward-depth=2,backward-depth=0,attention=false},prefetch,sink",
+]
+
+# Runs in a fresh interpreter; prints one JSON object: everything a schedule decides.
+SCRIPT = textwrap.dedent(r'''
+    import hashlib, json, sys
+    import fxsched
+    from fxsched.front.generate import generate_graph
+    from fxsched.ir import parse_program, print_program
+    from fxsched.passes import PassManager
+    from fxsched.runtime.agreement import fingerprint
+
+    def digest(text):
+        return hashlib.sha256(text.encode()).hexdigest()
+
+    pipelines, ir_text = json.loads(sys.argv[1])
+    out = {"hash": hash("fxsched determinism")}
+    options = dict(seed=11, layers=2, buckets=True, mixed_precision=True, missing_sizes=0.25)
+    gm = generate_graph(800, **options)
+    out["original"] = [n.name for n in gm.graph.nodes]
+    for pipeline in pipelines:
+        done = fxsched.schedule(gm, pipeline)
+        report = done.report
+        report.pop("seconds")
+        out[pipeline] = {"order": [n.name for n in done.graph_module.graph.nodes],
+                         "code": digest(done.graph_module.code), "ir": digest(print_program(done.program)),
+                         "report": report, "fingerprint": fingerprint(done.graph_module)}
+    config = fxsched.PassConfig(max_in_flight_gb=8192 / 2**30, fsdp_forward_prefetch_depth=2)
+    drop_in = fxsched.overlap_param_gather(gm, config)  # in place: last
+    out["drop-in"] = {"order": [n.name for n in drop_in.graph.nodes], "counts": drop_in.meta["fsdp_prefetch"],
+                      "anchors": {n.name: n.meta["fsdp_prefetch_anchor"] for n in drop_in.graph.nodes
+                                  if "fsdp_prefetch_anchor" in n.meta}}
+    program = parse_program(ir_text)
+    PassManager(pipelines[1]).run(program)
+    out["ir text"] = print_program(program)
+    print(json.dumps(out))
+''')
+
+IR_TEXT = textwrap.dedent("""\
+    %x = input
+    %s0 = input
+    %s1 = input
+    %s2 = input
+    %b = barrier "aten.copy_"(%x)
+    %m0 = compute "aten.mm"(%x, %x) {heavy}
+    %g1 = launch "ag"(%s1) {role = fsdp_all_gather, nbytes = 512, params = ["p1"]}
+    %w1 = wait(%g1)
+    %m1 = compute "aten.mm"(%m0, %w1) {heavy}
+    %g2 = launch "ag"(%s2) {role = fsdp_all_gather, nbytes = 512, params = ["p2"]}
+    %w2 = wait(%g2)
+    %m2 = compute "aten.mm"(%m1, %w2) {heavy}
+    %g0 = launch "ag"(%s0) {role = fsdp_all_gather, nbytes = 512, params = ["p0"]}
+    %w0 = wait(%g0)
+    %m3 = compute "aten.mm"(%m2, %w0) {heavy}
+    %output = output(%m3)
+""")
+
+
+def test_same_schedule_under_different_hash_seeds():
+    argument = json.dumps([PIPELINES, IR_TEXT])
+    procs = []
+    for seed in ("0", "1", "12345"):
+        env = dict(os.environ, PYTHONHASHSEED=seed, OMP_NUM_THREADS="1")
+        procs.append(subprocess.Popen([sys.executable, "-c", SCRIPT, argument], cwd=ROOT, env=env,
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    results = []
+    for proc in procs:
+        stdout, stderr = proc.communicate(timeout=300)
+        assert proc.returncode == 0, stderr
+        results.append(json.loads(stdout.strip().splitlines()[-1]))
+    hashes = {r.pop("hash") for r in results}
+    assert len(hashes) == 3, "the hash seeds did not take effect"
+    first = results[0]
+    for other in results[1:]:
+        for key in first:
+            assert other[key] == first[key], f"{key}: differs between hash seeds"
+    # the comparison is not vacuous: the pipelines moved gathers, and differently
+    assert any(r["moved"] for r in first[PIPELINES[0]]["report"]["gathers"])
+    assert all(first[p]["order"] != first["original"] for p in PIPELINES)
+    assert first["drop-in"]["anchors"]
+
+
+# ---- fingerprints --------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def graph():
+    return generate_graph(800, seed=5, layers=2, buckets=True, mixed_precision=True)
+
+
+def test_fingerprint_of_a_graph_its_program_and_their_text_agree(graph):
+    assert fingerprint(graph) == fingerprint(lower(graph))
+    done = fxsched.schedule(graph)
+    assert fingerprint(done.graph_module) == fingerprint(done.program)
+    assert fingerprint(parse_program(print_program(done.program))) == fingerprint(done.program)
+    assert len(fingerprint(graph)) == 64 and int(fingerprint(graph), 16) >= 0
+
+
+def test_fingerprint_follows_the_collective_order_only(graph):
+    original = fingerprint(graph)
+    assert fingerprint(fxsched.schedule(graph, "sink").graph_module) == original  # waits moved only
+    reordered = fxsched.schedule(graph, "anchor{forward-depth=3},budget,prefetch,sink").graph_module
+    assert fingerprint(reordered) != original
+    entries = collective_entries(graph)
+    assert [e["index"] for e in entries] == list(range(len(entries)))
+    gathers = [e for e in entries if e["role"] == "fsdp_all_gather"]
+    assert gathers[0]["params"] and gathers[0]["group"] == "0" and gathers[0]["group_size"] == 2
+    assert gathers[0]["type"].startswith("bf16[")  # mixed precision: the gathered shard's type
+    assert {e["role"] for e in entries} == {"fsdp_all_gather", "fsdp_all_gather_backward", "fsdp_reduce_scatter"}
+
+
+def swap_two_gathers(gm: torch.fx.GraphModule) -> tuple[str, str]:
+    """Launch the second forward gather whose input is a placeholder before the first one."""
+    gathers = [n for n in gm.graph.nodes
+               if n.meta.get("comm_type") == "fsdp_all_gather" and n.args[0].op == "placeholder"]
+    first, second = gathers[0], gathers[1]
+    first.prepend(second)
+    gm.graph.lint()
+    gm.recompile()
+    return first.name, second.name
+
+
+def test_fingerprint_sees_a_swap_a_group_and_a_size():
+    gm = generate_graph(400, seed=2, layers=1)
+    original = fingerprint(gm)
+    swap_two_gathers(gm)
+    assert fingerprint(gm) != original
+    gm = generate_graph(400, seed=2, layers=1, group_name="tp")
+    assert fingerprint(gm) != original
+
+
+def test_compare_entries_names_the_odd_rank_and_the_first_difference():
+    gm = generate_graph(400, seed=2, layers=1)
+    good = collective_entries(gm)
+    first, second = swap_two_gathers(gm)
+    bad = collective_entries(gm)
+    assert compare_entries([good, good]) is None
+    mismatch = compare_entries([good, good, bad])
+    assert mismatch.ranks == [2] and mismatch.agreeing == [0, 1]
+    index = next(i for i, (a, b) in enumerate(zip(good, bad)) if a != b)
+    assert mismatch.index == index and mismatch.expected == good[index] and mismatch.found == bad[index]
+    message = str(mismatch)
+    assert message.startswith("ranks disagree on the collective schedule: rank 2 differs from ranks 0, 1 ")
+    assert f"first difference at collective #{index}:" in message
+    assert f"rank 0: {describe(good[index])}" in message and f"rank 2: {describe(bad[index])}" in message
+    assert "would hang or exchange the wrong tensors" in message
+    # a rank with fewer collectives: the difference is where its list ends
+    short = compare_entries([good, good[:-1]])
+    assert short.ranks == [1] and short.index == len(good) - 1 and short.found is None
+    assert "rank 1: no collective (its list ends here)" in str(short)
+    # two ranks against two: the side of rank 0 is the reference
+    assert compare_entries([good, bad, good, bad]).ranks == [1, 3]
+
+
+def test_check_ranks_agree_needs_a_process_group():
+    assert not dist.is_initialized()
+    with pytest.raises(RuntimeError, match="check_ranks_agree needs an initialised torch.distributed process group"):
+        check_ranks_agree(generate_graph(400, seed=2, layers=1))
+
+
+def test_check_ranks_agree_on_one_rank_returns_the_fingerprint():
+    gm = generate_graph(400, seed=2, layers=1)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        assert check_ranks_agree(gm) == fingerprint(gm)
+    finally:
+        dist.destroy_process_group()
+
+
+def _agreement_worker(rank, world_size):
+    """Both ranks schedule the same graph; then rank 1 swaps two gathers."""
+    gm = generate_graph(400, seed=2, layers=1)
+    done = fxsched.schedule(gm)
+    out = {"agreed": check_ranks_agree(done.graph_module)}
+    if rank == 1:
+        swap_two_gathers(done.graph_module)
+    try:
+        check_ranks_agree(done.graph_module)
+        out["mismatch"] = None
+    except ScheduleMismatch as error:
+        out["mismatch"] = {"message": str(error), "ranks": error.ranks, "index": error.index}
+    out["fingerprint"] = fingerprint(done.graph_module)
+    return out
+
+
+@pytest.mark.multirank
+def test_two_ranks_agree_and_a_swapped_schedule_is_caught():
+    results = run_ranks(_agreement_worker, 2, timeout=120)
+    assert results[0]["agreed"] == results[1]["agreed"]
+    assert results[0]["fingerprint"] != results[1]["fingerprint"]
+    for result in results:  # every rank raises, with the same verdict
+        mismatch = result["mismatch"]
+        assert mismatch is not None and mismatch["ranks"] == [1]
+        assert mismatch["message"].startswith("ranks disagree on the collective schedule: rank 1 differs from rank 0")
+        assert f"first difference at collective #{mismatch['index']}:" in mismatch["message"]
+    assert results[0]["mismatch"] == results[1]["mismatch"]

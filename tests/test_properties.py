@@ -1,0 +1,799 @@
+"""Property tests: whatever the graph and the pipeline, a schedule is legal, within budget and stable.
+
+Graphs are drawn two ways: tagged FX joint graphs from `front/generate.py` (layers, buckets,
+casts, barriers, attention, missing sizes, resharding) and IR text programs built op by op.
+Pipelines draw depths 0-3 and budgets from 0 through a few gathers' worth to 1 GiB. Every
+property is checked by code written here from the graph itself — FX edges and tags, storage
+identity of `meta["val"]`, IR operands — not by asking the IR's effect edges:
+
+- the result lints and is a topological order (and `ir.verify` passes);
+- no movable node changed its barrier segment or its phase;
+- every reader of a freed storage precedes the free; a parameter's gathers and frees keep
+  their order (a re-gather follows its free);
+- non-FSDP collectives and random ops keep their relative order;
+- early bytes in flight (each gather launched early, from its launch to its first consumer)
+  never exceed the budget, and an early gather has a known size;
+- a second run moves nothing to another place: every launch chain and realization node stays
+  between the same two other nodes (see `test_second_run_can_reorder_within_a_stack` for
+  the order inside such a stack).
+
+CI runs a few examples per test, derandomized; `scripts/fuzz.py --examples 2000` (or
+`FXSCHED_FUZZ_EXAMPLES=2000`) runs thousands with random seeds.
+"""
+
+from __future__ import annotations
+
+import functools
+import operator
+import os
+from collections import defaultdict
+
+import pytest
+import torch
+from hypothesis import HealthCheck, event, given, note, settings
+from hypothesis import strategies as st
+from torch import fx
+from torch.multiprocessing.reductions import StorageWeakRef
+
+import fxsched
+from fxsched.front.generate import generate_graph, min_nodes
+from fxsched.ir import (Barrier, Compute, CopyOut, Free, Input, Launch, Marker, Output, Phase, View, Wait,
+                        parse_program, print_program, verify)
+from fxsched.passes import DEFAULT_PIPELINE, REFERENCE_PIPELINE, PassManager
+
+FUZZ = int(os.environ.get("FXSCHED_FUZZ_EXAMPLES", "0") or 0)
+FUZZ_GRAPHS = int(os.environ.get("FXSCHED_FUZZ_GRAPH_EXAMPLES", "0") or 0) or FUZZ
+
+
+def examples(ci: int, graphs: bool = False) -> settings:
+    """`ci` derandomized examples in CI; when fuzzing (scripts/fuzz.py), FXSCHED_FUZZ_EXAMPLES
+    random ones (FXSCHED_FUZZ_GRAPH_EXAMPLES for tests that generate FX graphs)."""
+    fuzz = FUZZ_GRAPHS if graphs else FUZZ
+    return settings(max_examples=fuzz or ci, deadline=None, derandomize=not fuzz, print_blob=True,
+                    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
+                                           HealthCheck.filter_too_much])
+
+
+GIB = 2**30
+GATHER_TAGS = ("fsdp_all_gather", "fsdp_all_gather_backward")
+FREE_TAGS = ("fsdp_reshard_free", "fsdp_reshard_free_backward")
+COLLECTIVE_NAMESPACES = ("_c10d_functional", "c10d_functional")
+CASTS = ("prims::convert_element_type", "aten::_to_copy")
+
+
+# ============================================================================================
+# FX: what the test itself reads off a graph
+# ============================================================================================
+
+def _schema(node: fx.Node):
+    return getattr(node.target, "_schema", None) if node.op == "call_function" else None
+
+
+def _collective(node: fx.Node) -> bool:
+    schema = _schema(node)
+    return schema is not None and schema.name.split("::")[0] in COLLECTIVE_NAMESPACES
+
+
+def _wait(node: fx.Node) -> bool:
+    return _collective(node) and _schema(node).name.endswith("::wait_tensor")
+
+
+def _gather(node: fx.Node) -> bool:
+    return (_collective(node) and _schema(node).name.endswith("::all_gather_into_tensor")
+            and node.meta.get("comm_type") in GATHER_TAGS)
+
+
+def _free(node: fx.Node) -> bool:
+    return node.meta.get("comm_type") in FREE_TAGS
+
+
+def _view(node: fx.Node) -> bool:
+    if node.op == "call_function" and node.target is operator.getitem:
+        return True
+    schema = _schema(node)
+    return (schema is not None and bool(schema.returns) and schema.returns[0].alias_info is not None
+            and not schema.returns[0].alias_info.is_write)
+
+
+def _barrier(node: fx.Node) -> bool:
+    """SPEC: a side-effecting or mutating call that is not a free or a functional collective, or
+    any node tagged `barrier`."""
+    if node.meta.get("barrier"):
+        return True
+    if node.op not in ("call_function", "call_method", "call_module") or _free(node) or _collective(node):
+        return False
+    schema = _schema(node)
+    return (schema is not None and schema.is_mutable) or node.is_impure(impure_random=False)
+
+
+def _phased(node: fx.Node) -> bool:
+    return node.op not in ("placeholder", "get_attr", "output")
+
+
+def _params(node: fx.Node) -> tuple[str, ...]:
+    members = node.meta.get("fsdp_bucket_members")
+    if node.meta.get("fsdp_bucket_id") is not None or (_free(node) and members):
+        return tuple(members or ())
+    name = node.meta.get("param_name")
+    return (name,) if isinstance(name, str) else ()
+
+
+def _nbytes(node: fx.Node) -> int | None:
+    value = node.meta.get("fsdp_unsharded_nbytes")
+    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else None
+
+
+def _realization(launch: fx.Node) -> set[fx.Node]:
+    """The wait, the views reached from it, and (for a bucket) its own copy-outs."""
+    users = list(launch.users)
+    if len(users) != 1 or not _wait(users[0]):
+        return set()
+    bucket = launch.meta.get("fsdp_bucket_id")
+    found, stack = {users[0]}, [users[0]]
+    while stack:
+        for user in stack.pop().users:
+            copy_out = (bucket is not None and user.target is torch.ops.aten.clone.default
+                        and user.meta.get("fsdp_bucket_copy_out") == bucket)
+            if user not in found and (_view(user) or copy_out):
+                found.add(user)
+                stack.append(user)
+    return found
+
+
+def _chain(launch: fx.Node) -> set[fx.Node]:
+    """What moves with a launch: a bucket's private pack DAG, or a lone cast of a placeholder."""
+    chain = {launch}
+    if launch.meta.get("fsdp_bucket_id") is not None:
+        stack = list(launch.all_input_nodes)
+        while stack:
+            node = stack.pop()
+            if node in chain or not _phased(node) or _barrier(node) or _free(node):
+                continue
+            if all(user in chain for user in node.users):
+                chain.add(node)
+                stack.extend(node.all_input_nodes)
+        return chain
+    source = launch.args[0]
+    if (isinstance(source, fx.Node) and _schema(source) is not None and _schema(source).name in CASTS
+            and len(source.users) == 1 and all(a.op == "placeholder" for a in source.all_input_nodes)):
+        chain.add(source)
+    return chain
+
+
+def _storage(value):
+    if isinstance(value, torch.Tensor):
+        try:
+            return StorageWeakRef(value.untyped_storage()).cdata
+        except Exception:  # noqa: BLE001 - a value without storage aliases nothing
+            return None
+    return None
+
+
+def _storages(node: fx.Node) -> set:
+    value = node.meta.get("val")
+    values = value if isinstance(value, (tuple, list)) else (value,)
+    return {s for s in map(_storage, values) if s is not None}
+
+
+class FxFacts:
+    """Everything the checks need from one graph, by node name."""
+
+    def __init__(self, gm: fx.GraphModule | fx.Graph):
+        self.nodes = list(gm.graph.nodes if isinstance(gm, fx.GraphModule) else gm.nodes)
+        self.by_name = {n.name: n for n in self.nodes}
+        self.pos = {n.name: i for i, n in enumerate(self.nodes)}
+        self.gathers = [n.name for n in self.nodes if _gather(n)]
+        self.realization = {g: {n.name for n in _realization(self.by_name[g])} for g in self.gathers}
+        self.chain = {g: {n.name for n in _chain(self.by_name[g])} for g in self.gathers}
+        self.realized = set().union(*self.realization.values()) if self.gathers else set()
+        barriers = 0
+        self.segment, self.barriers = {}, []
+        for n in self.nodes:
+            if _barrier(n):
+                barriers += 1
+                self.barriers.append(n.name)
+            self.segment[n.name] = barriers
+
+    def first_consumer(self, gather: str) -> str | None:
+        realization = self.realization[gather]
+        users = {u.name for r in realization for u in self.by_name[r].users} - realization
+        return min(users, key=self.pos.get) if users else None
+
+    def fsdp_nodes(self) -> set[str]:
+        return set().union(*self.chain.values(), *self.realization.values()) if self.gathers else set()
+
+    def gaps(self) -> tuple[list[str], dict[str, tuple[str | None, str | None]]]:
+        """The other nodes in order, and for each launch-chain/realization node the two other
+        nodes it sits between."""
+        movable = self.fsdp_nodes()
+        fixed, between, pending, previous = [], {}, [], None
+        for n in self.nodes:
+            if n.name in movable:
+                pending.append(n.name)
+                continue
+            fixed.append(n.name)
+            between.update((p, (previous, n.name)) for p in pending)
+            pending, previous = [], n.name
+        between.update((p, (previous, None)) for p in pending)
+        return fixed, between
+
+
+def moved_early(before: FxFacts, after: FxFacts) -> set[str]:
+    """Gathers some node went from before to after their launch — other than a realization node
+    or a wait (passes sink those down, e.g. a reduce-scatter's wait under overlap-reduce-scatter)."""
+    early = set()
+    for g in before.gathers:
+        for name, p in before.pos.items():
+            if p >= before.pos[g]:
+                break
+            if name not in before.realized and not _wait(before.by_name[name]) and after.pos[name] > after.pos[g]:
+                early.add(g)
+                break
+    return early
+
+
+def budget_sweep(after: FxFacts, early: set[str], sizes: dict[str, int]) -> int:
+    """The most early bytes in flight at once: each early gather from its launch to (not
+    including) its first consumer."""
+    events = []
+    for g in early:
+        consumer = after.first_consumer(g)
+        end = after.pos[consumer] if consumer is not None else len(after.nodes)
+        events += [(after.pos[g], 1, sizes[g]), (end, 0, -sizes[g])]
+    peak = current = 0
+    for _, _, delta in sorted(events):  # ends (0) before starts (1) at one position
+        current += delta
+        peak = max(peak, current)
+    return peak
+
+
+def check_fx_schedule(original: fx.GraphModule, scheduled: fx.GraphModule, limit: int | None,
+                      prefetched: set[str] | None = None) -> tuple[FxFacts, FxFacts, set[str]]:
+    """Every property of a schedule of `original`; `limit`: the budget in bytes (None: no budget
+    pass); `prefetched`: the gathers the program says it moved (None: unknown)."""
+    scheduled.graph.lint()
+    before, after = FxFacts(original), FxFacts(scheduled)
+    assert sorted(before.pos) == sorted(after.pos), "the node set changed"
+    for node in after.nodes:  # a topological order, read off FX edges
+        for arg in node.all_input_nodes:
+            assert after.pos[arg.name] < after.pos[node.name], f"{node.name} runs before its input {arg.name}"
+
+    # phases: every forward node before every backward one (the input was so)
+    for facts in (before, after):
+        forward = [facts.pos[n.name] for n in facts.nodes if _phased(n) and not n.meta.get("autograd_backward")]
+        backward = [facts.pos[n.name] for n in facts.nodes if _phased(n) and n.meta.get("autograd_backward")]
+        if forward and backward:
+            assert max(forward) < min(backward), "a node crossed the forward/backward boundary"
+
+    # barriers: same order, and no node changed its barrier segment
+    assert before.barriers == after.barriers, "barriers changed their order"
+    crossed = [n for n in before.pos if before.segment[n] != after.segment[n]]
+    assert not crossed, f"nodes crossed a barrier: {crossed[:5]}"
+
+    # frees: every reader of the freed storage (storage identity of the vals) runs before it
+    for facts in (before, after):
+        holders = defaultdict(list)
+        for node in facts.nodes:
+            for storage in _storages(node):
+                holders[storage].append(node)
+        for node in facts.nodes:
+            if not _free(node) or not node.all_input_nodes:
+                continue
+            for storage in _storages(node.all_input_nodes[0]):
+                readers = {u.name for holder in holders[storage] for u in holder.users} - {node.name}
+                late = [r for r in readers if facts.pos[r] > facts.pos[node.name]]
+                assert not late, f"{late[:3]} read the storage {node.name} freed, after the free"
+
+    # a parameter's gathers and frees keep their order: a re-gather follows its free
+    def lifetimes(facts: FxFacts) -> dict[str, list[str]]:
+        events = defaultdict(list)
+        for node in facts.nodes:
+            if _gather(node) or _free(node):
+                for param in _params(node):
+                    events[param].append(node.name)
+        return events
+
+    assert lifetimes(before) == lifetimes(after), "a parameter's gathers and frees changed order"
+
+    # non-FSDP collectives and random ops keep their relative order
+    def fixed_order(facts: FxFacts) -> list[str]:
+        return [n.name for n in facts.nodes
+                if (_collective(n) and not _wait(n) and not _gather(n))
+                or (isinstance(n.target, torch._ops.OpOverload) and torch.Tag.nondeterministic_seeded in n.target.tags)]
+
+    assert fixed_order(before) == fixed_order(after), "collectives or random ops changed their order"
+
+    # the budget: early gathers have a known size and stay under it together
+    early = moved_early(before, after)
+    if prefetched is not None:
+        assert early <= prefetched, f"moved early but not reported: {sorted(early - prefetched)}"
+    if limit is not None:
+        unknown = [g for g in early if _nbytes(before.by_name[g]) is None]
+        assert not unknown, f"gathers of unknown size moved early: {unknown}"
+        peak = budget_sweep(after, early, {g: _nbytes(before.by_name[g]) for g in early})
+        assert peak <= limit, f"{peak} early bytes in flight, over the budget of {limit}"
+    return before, after, early
+
+
+def assert_same_places(once: fx.GraphModule | fx.Graph, twice: fx.GraphModule | fx.Graph) -> None:
+    """A second run moved nothing to another place: the other nodes keep their order and every
+    launch-chain or realization node sits between the same two of them."""
+    fixed_once, gaps_once = FxFacts(once).gaps()
+    fixed_twice, gaps_twice = FxFacts(twice).gaps()
+    assert fixed_once == fixed_twice, "a second run changed the order of the other nodes"
+    moved = {n: (gaps_once[n], gaps_twice.get(n)) for n in gaps_once if gaps_once[n] != gaps_twice.get(n)}
+    assert not moved, f"a second run moved nodes to other places: {dict(list(moved.items())[:5])}"
+
+
+def prefetched_launches(program) -> set[str]:
+    return {op.name for op in program.ops() if isinstance(op, Launch) and op.prefetched}
+
+
+# ============================================================================================
+# strategies
+# ============================================================================================
+
+BUDGETS = [0, 1, 64, 1024, 2048, 4096, 4096, 8192, 16384, GIB]
+
+
+@functools.lru_cache(maxsize=None)
+def _min_nodes(**options) -> int:
+    return min_nodes(**options)
+
+
+@functools.lru_cache(maxsize=4)
+def _graph(num_nodes: int, **options) -> fx.GraphModule:
+    return generate_graph(num_nodes, **options)
+
+
+@st.composite
+def graph_options(draw) -> tuple[int, dict]:
+    options = {
+        "layers": draw(st.integers(1, 3)),
+        "attention": draw(st.booleans()),
+        "buckets": draw(st.booleans()),
+        "mixed_precision": draw(st.booleans()),
+        "barriers": draw(st.booleans()),
+        "reshard": draw(st.booleans()),
+        "missing_sizes": draw(st.sampled_from([0.0, 0.0, 0.0, 0.0, 0.25, 0.25, 1.0])),
+        "seed": draw(st.integers(0, 2**16)),
+    }
+    shape = {k: options[k] for k in ("layers", "attention", "buckets", "mixed_precision", "barriers", "reshard",
+                                     "seed")}  # the seed draws bucket sizes: it sets the minimum too
+    num_nodes = _min_nodes(**shape) + draw(st.integers(0, 200))
+    return num_nodes, options
+
+
+@st.composite
+def pipelines(draw) -> tuple[str, int | None]:
+    """A pipeline text and its gather budget in bytes (None: no budget pass). Anchors come from
+    `anchor` (depths, attention on or off) or from the cost-guided `hide`; some pipelines end
+    with `overlap-reduce-scatter`."""
+    depths = st.sampled_from([0, 1, 1, 2, 2, 3])
+    forward, backward = draw(depths), draw(depths)
+    attention = draw(st.sampled_from(["", "", ",attention=false"]))
+    anchor = f"anchor{{forward-depth={forward},backward-depth={backward}{attention}}}"
+    if draw(st.integers(0, 4)) == 0:
+        anchor = "hide"
+    limit = draw(st.sampled_from([*BUDGETS, GIB, None, None]))
+    budget = [] if limit is None else [f"budget{{max-in-flight-gb={limit / GIB!r}}}"]
+    shape = draw(st.sampled_from(["full"] * 6 + ["no sink", "sink only"]))
+    if shape == "sink only":
+        return "sink", None
+    passes = [anchor, *budget, "prefetch"] + (["sink"] if shape == "full" else [])
+    if draw(st.integers(0, 3)) == 0:
+        passes.append(draw(st.sampled_from(["overlap-reduce-scatter", "overlap-reduce-scatter{max-in-flight-gb=0.0}",
+                                            f"overlap-reduce-scatter{{max-in-flight-gb={4096 / GIB!r}}}"])))
+    return ",".join(passes), limit
+
+
+def stable(pipeline: str) -> bool:
+    """Pipelines a second run leaves in place (see test_a_second_hide_run_keeps_every_gather_in_place)."""
+    return not pipeline.startswith("hide")
+
+
+# ============================================================================================
+# properties on generated FX graphs
+# ============================================================================================
+
+@examples(10, graphs=True)
+@given(graph=graph_options(), pipeline=pipelines())
+def test_generated_graphs_schedule_legally_within_budget_and_stably(graph, pipeline):
+    (num_nodes, options), (text, limit) = graph, pipeline
+    note(f"generate_graph({num_nodes}, **{options}); pipeline {text!r}")
+    original = _graph(num_nodes, **options)
+    done = fxsched.schedule(original, text)
+    verify(done.program)
+    _, _, early = check_fx_schedule(original, done.graph_module, limit, prefetched_launches(done.program))
+    event(f"gathers moved early: {'none' if not early else 'some'}")
+    event(f"held over budget: {any(r['reason'] == 'over budget' for r in done.report['gathers'])}")
+    if limit == 0:
+        assert not prefetched_launches(done.program)
+
+    again = fxsched.schedule(done.graph_module, text)  # the second run, on the raised graph
+    check_fx_schedule(original, again.graph_module, limit)  # still within budget, counted from the start
+    if stable(text):
+        assert_same_places(done.graph_module, again.graph_module)
+
+
+@examples(5, graphs=True)
+@given(graph=graph_options(), forward=st.integers(0, 3), backward=st.integers(0, 3),
+       limit=st.sampled_from(BUDGETS))
+def test_the_drop_in_schedules_legally_within_budget_and_stably(graph, forward, backward, limit):
+    num_nodes, options = graph
+    config = fxsched.PassConfig(max_in_flight_gb=limit / GIB, fsdp_forward_prefetch_depth=forward,
+                                fsdp_backward_prefetch_depth=backward)
+    note(f"generate_graph({num_nodes}, **{options}); {config}")
+    original = _graph(num_nodes, **options)
+    gm = fxsched.overlap_param_gather(generate_graph(num_nodes, **options), config)
+    moved = {n.name for n in gm.graph.nodes if "fsdp_prefetch_anchor" in n.meta}
+    _, _, early = check_fx_schedule(original, gm, limit, moved)
+    counts = gm.meta["fsdp_prefetch"]
+    assert counts["forward"] + counts["backward"] == len(moved) >= len(early)
+    once = gm.graph  # the drop-in swaps in a new graph: this one stays as it is
+    fxsched.overlap_param_gather(gm, config)
+    check_fx_schedule(original, gm, limit)
+    assert_same_places(once, gm)
+
+
+def test_second_run_can_reorder_within_a_stack():
+    """Launch chains that land on the same slot (after a barrier) are stacked in reverse launch
+    order by the first run (as the reference does: each goes just after the barrier, ahead of
+    those placed there before), and a second run reverses them again. `assert_same_places`
+    allows exactly this; the exact node order of a second run may differ."""
+    original = _graph(900, seed=3, layers=2, buckets=True, mixed_precision=True)
+    once = fxsched.schedule(original, REFERENCE_PIPELINE)
+    twice = fxsched.schedule(once.graph_module, REFERENCE_PIPELINE)
+    assert_same_places(once.graph_module, twice.graph_module)
+    order = [n.name for n in once.graph_module.graph.nodes]
+    if order == [n.name for n in twice.graph_module.graph.nodes]:
+        pytest.xfail("a second run now keeps the exact order: turn this into an equality test")
+    launches = [n for n in order if n in {"all_gather_into_tensor_default_4", "all_gather_into_tensor_default_9"}]
+    assert launches == ["all_gather_into_tensor_default_9", "all_gather_into_tensor_default_4"]
+
+
+@pytest.mark.xfail(strict=True, reason="hide anchors from the launch order on each stream, which the first run's "
+                   "stacking changed, so a second run anchors some gathers elsewhere")
+def test_a_second_hide_run_keeps_every_gather_in_place():
+    original = _graph(900, seed=3, layers=2, buckets=True, mixed_precision=True)
+    once = fxsched.schedule(original, DEFAULT_PIPELINE)
+    twice = fxsched.schedule(once.graph_module, DEFAULT_PIPELINE)
+    check_fx_schedule(original, twice.graph_module, GIB)
+    assert_same_places(once.graph_module, twice.graph_module)
+
+
+# ============================================================================================
+# properties on IR text programs
+# ============================================================================================
+
+@st.composite
+def ir_programs(draw) -> str:
+    """A valid program: inputs, forward then backward ops — computes (heavy, attention, random),
+    gathers (alone, with a cast, or bucketed with copy-outs) with views, uses, frees, re-gathers,
+    barriers, other collectives — then the output. Most steps are model-like layers: a gather,
+    some compute, its use, maybe its free."""
+    nparams = draw(st.integers(1, 6))
+    lines = ['%x = input "x"'] + [f'%s{i} = input "shard{i}"' for i in range(nparams)]
+    counter = iter(range(10**6))
+    live: dict[int, str] = {}  # param -> its realized value
+    outputs: list[str] = []
+    sizes = st.sampled_from([None, 0, 512, 1024, 4096, 4096, 8192])
+    state = {"cur": "x", "role": "fsdp_all_gather"}
+
+    def new(prefix: str) -> str:
+        return f"{prefix}{next(counter)}"
+
+    def size_attr() -> str:
+        size = draw(sizes)
+        return "" if size is None else f", nbytes = {size}"
+
+    def step(action: str) -> None:
+        cur, role = state["cur"], state["role"]
+        free_params = [p for p in range(nparams) if p not in live]
+        if action in ("compute", "heavy", "attention", "random"):
+            name = new("c")
+            flags = {"compute": "", "heavy": " {heavy}", "attention": " {heavy, attention}", "random": " {random}"}
+            lines.append(f'%{name} = compute "aten.{action}"(%{cur}){flags[action]}')
+            state["cur"] = name
+        elif action == "view":
+            name = new("v")
+            lines.append(f'%{name} = view "aten.view"(%{cur})')
+            state["cur"] = name
+        elif action == "gather" and free_params:
+            p = draw(st.sampled_from(free_params))
+            source = f"s{p}"
+            if draw(st.booleans()):
+                source = new("k")
+                lines.append(f'%{source} = cast "prims.convert_element_type"(%s{p})')
+            launch, wait = new("g"), new("w")
+            lines.append(f'%{launch} = launch "all_gather"(%{source}) {{role = {role}, params = ["p{p}"]{size_attr()}}}')
+            lines.append(f"%{wait} = wait(%{launch})")
+            value = wait
+            for _ in range(draw(st.integers(0, 2))):
+                view = new("v")
+                lines.append(f'%{view} = view "aten.view"(%{value})')
+                value = view
+            live[p] = value
+        elif action == "bucket" and len(free_params) >= 2:
+            members = draw(st.lists(st.sampled_from(free_params), min_size=2, max_size=3, unique=True))
+            pack, launch, wait, rows, bucket = new("cat"), new("g"), new("w"), new("v"), new("b")
+            lines.append(f'%{pack} = compute "aten.cat"({", ".join(f"%s{m}" for m in members)})')
+            names = ", ".join(f'"p{m}"' for m in members)
+            lines.append(f'%{launch} = launch "all_gather"(%{pack}) '
+                         f'{{role = {role}, params = [{names}], bucket = "{bucket}"{size_attr()}}}')
+            lines.append(f"%{wait} = wait(%{launch})")
+            lines.append(f'%{rows} = view "aten.view"(%{wait})')
+            for m in members:
+                copy, flat = new("co"), new("v")
+                lines.append(f'%{copy} = copy_out "aten.clone"(%{rows}) {{bucket = "{bucket}"}}')
+                lines.append(f'%{flat} = view "aten.view"(%{copy})')
+                live[m] = flat
+        elif action == "use" and live:
+            p = draw(st.sampled_from(sorted(live)))
+            name = new("m")
+            heavy = " {heavy}" if draw(st.booleans()) else ""
+            lines.append(f'%{name} = compute "aten.mm"(%{cur}, %{live[p]}){heavy}')
+            state["cur"] = name
+        elif action == "free" and live:
+            p = draw(st.sampled_from(sorted(live)))
+            lines.append(f'%{new("f")} = free "release"(%{live.pop(p)}) {{params = ["p{p}"]}}')
+        elif action == "barrier":
+            lines.append(f'%{new("b")} = barrier "aten.copy_"(%{cur}) {{reason = "mutation"}}')
+        elif action == "collective":
+            launch, wait = new("rs"), new("rw")
+            tag = draw(st.sampled_from([" {role = fsdp_reduce_scatter}", ' {group = "tp"}']))
+            lines.append(f'%{launch} = launch "reduce_scatter"(%{cur}){tag}')
+            lines.append(f"%{wait} = wait(%{launch})")
+            outputs.append(wait)
+
+    actions = ["compute", "heavy", "attention", "random", "gather", "bucket", "use", "free", "barrier",
+               "collective", "view"] + ["layer"] * 8
+    for phase in (Phase.FORWARD, Phase.BACKWARD):
+        if phase is Phase.BACKWARD:
+            lines.append("^backward")
+            state["role"] = "fsdp_all_gather_backward"
+        for _ in range(draw(st.integers(0, 14))):
+            action = draw(st.sampled_from(actions))
+            if action != "layer":
+                step(action)
+                continue
+            step(draw(st.sampled_from(["gather", "gather", "bucket"])))
+            for extra in draw(st.lists(st.sampled_from(["compute", "heavy", "heavy", "attention"]), max_size=2)):
+                step(extra)
+            step("use")
+            if draw(st.booleans()):
+                step("free")
+    lines.append(f"%output = output({', '.join(f'%{v}' for v in [state['cur'], *outputs])})")
+    return "\n".join(lines) + "\n"
+
+
+class IrFacts:
+    def __init__(self, program):
+        self.program = program
+        self.order = program.schedule.names()
+        self.pos = {n: i for i, n in enumerate(self.order)}
+        self.ops = {n: program.op(n) for n in self.order}
+        self.users = defaultdict(list)
+        for op in self.ops.values():
+            for operand in op.operands:
+                self.users[operand].append(op.name)
+        self.gathers = [n for n, op in self.ops.items() if isinstance(op, Launch) and op.is_gather]
+        self.realization = {g: self._realize(g) for g in self.gathers}
+        self.realized = set().union(*self.realization.values()) if self.gathers else set()
+
+    def _realize(self, launch: str) -> set[str]:
+        waits = [u for u in self.users[launch] if isinstance(self.ops[u], Wait)]
+        bucket = self.ops[launch].bucket
+        found, stack = set(waits[:1]), waits[:1]
+        while stack:
+            for user in self.users[stack.pop()]:
+                op = self.ops[user]
+                if user not in found and (isinstance(op, View) or (isinstance(op, CopyOut) and bucket is not None
+                                                                     and op.bucket == bucket)):
+                    found.add(user)
+                    stack.append(user)
+        return found
+
+    def first_consumer(self, gather: str) -> str | None:
+        realization = self.realization[gather]
+        users = {u for r in realization for u in self.users[r]} - realization
+        return min(users, key=self.pos.get) if users else None
+
+    def segment(self) -> dict[str, int]:
+        out, count = {}, 0
+        for n in self.order:
+            if isinstance(self.ops[n], Barrier):
+                count += 1
+            out[n] = count
+        return out
+
+    def readers_of_storage(self, name: str) -> set[str]:
+        while isinstance(self.ops[name], View):
+            name = self.ops[name].operands[0]
+        readers, stack = set(), [name]
+        while stack:
+            current = stack.pop()
+            for user in self.users[current]:
+                if user not in readers:
+                    readers.add(user)
+                    if isinstance(self.ops[user], View) and self.ops[user].operands[0] == current:
+                        stack.append(user)
+        return readers
+
+
+def _movable(op) -> bool:
+    return not isinstance(op, (Barrier, Input, Marker, Output))
+
+
+def check_ir_schedule(before_program, after_program, limit: int | None) -> set[str]:
+    verify(after_program)
+    before, after = IrFacts(before_program), IrFacts(after_program)
+    assert sorted(before.order) == sorted(after.order)
+    for name, op in after.ops.items():
+        for operand in op.operands:
+            assert after.pos[operand] < after.pos[name], f"%{name} before its operand %{operand}"
+    for facts in (before, after):
+        phased = [(facts.pos[n], op.phase) for n, op in facts.ops.items() if _movable(op) or isinstance(op, Barrier)]
+        forward = [p for p, ph in phased if ph is Phase.FORWARD]
+        backward = [p for p, ph in phased if ph is Phase.BACKWARD]
+        if forward and backward:
+            assert max(forward) < min(backward), "an op crossed the phase boundary"
+    seg_before, seg_after = before.segment(), after.segment()
+    assert [n for n in before.order if isinstance(before.ops[n], Barrier)] == \
+           [n for n in after.order if isinstance(after.ops[n], Barrier)]
+    crossed = [n for n, op in before.ops.items() if _movable(op) and seg_before[n] != seg_after[n]]
+    assert not crossed, f"ops crossed a barrier: {crossed}"
+    for name, op in after.ops.items():
+        if isinstance(op, Free) and op.operands:
+            late = [r for r in after.readers_of_storage(op.operands[0]) - {name} if after.pos[r] > after.pos[name]]
+            assert not late, f"{late} read storage %{name} freed, after the free"
+
+    def lifetimes(facts):
+        events = defaultdict(list)
+        for n in facts.order:
+            op = facts.ops[n]
+            if isinstance(op, Free) or (isinstance(op, Launch) and op.is_gather):
+                for param in op.params:
+                    events[param].append(n)
+        return events
+
+    assert lifetimes(before) == lifetimes(after), "a parameter's gathers and frees changed order"
+
+    def ordered(facts):
+        return [n for n in facts.order if (isinstance(facts.ops[n], Launch) and not facts.ops[n].is_gather)
+                or (isinstance(facts.ops[n], Compute) and facts.ops[n].random)]
+
+    assert ordered(before) == ordered(after), "collectives or random ops changed their order"
+
+    early = set()
+    for g in before.gathers:
+        if any(n not in before.realized and not isinstance(before.ops[n], Wait) and after.pos[n] > after.pos[g]
+               for n in before.order[:before.pos[g]]):
+            early.add(g)
+    prefetched = {n for n, op in after.ops.items() if isinstance(op, Launch) and op.prefetched}
+    assert early <= prefetched, f"moved early but not marked: {early - prefetched}"
+    if limit is not None:
+        assert all(after.ops[g].nbytes is not None for g in early), "a gather of unknown size moved early"
+        events = []
+        for g in early:
+            consumer = after.first_consumer(g)
+            end = after.pos[consumer] if consumer else len(after.order)
+            events += [(after.pos[g], 1, after.ops[g].nbytes), (end, 0, -after.ops[g].nbytes)]
+        current = peak = 0
+        for _, _, delta in sorted(events):
+            current += delta
+            peak = max(peak, current)
+        assert peak <= limit, f"{peak} early bytes in flight, over {limit}"
+    return early
+
+
+def ir_places(program) -> tuple[list[str], dict]:
+    facts = IrFacts(program)
+    movable = set(facts.realized)
+    for g in facts.gathers:
+        movable.add(g)
+        for operand in facts.ops[g].operands:  # a cast or a pack private to the launch
+            if facts.users[operand] == [g] and not isinstance(facts.ops[operand], Input):
+                movable.add(operand)
+    fixed, between, pending, previous = [], {}, [], None
+    for n in facts.order:
+        if n in movable:
+            pending.append(n)
+            continue
+        fixed.append(n)
+        between.update((p, (previous, n)) for p in pending)
+        pending, previous = [], n
+    between.update((p, (previous, None)) for p in pending)
+    return fixed, between
+
+
+def run_text(text: str, pipeline: str, limit: int | None):
+    before = parse_program(text)
+    verify(before)
+    after = parse_program(text)
+    PassManager(pipeline).run(after)
+    early = check_ir_schedule(before, after, limit)
+    again = parse_program(print_program(after))  # marks (prefetched, holds) travel in the text
+    PassManager(pipeline).run(again)
+    check_ir_schedule(before, again, limit)
+    if stable(pipeline):
+        assert ir_places(after) == ir_places(again), "a second run moved ops to other places"
+    return after, early
+
+
+@examples(120)
+@given(text=ir_programs(), pipeline=pipelines(), ir_budget=st.sampled_from([0, 511, 4096, 6000, 8192, 12288, 16384, GIB]))
+def test_ir_programs_schedule_legally_within_budget_and_stably(text, pipeline, ir_budget):
+    pipeline_text, limit = pipeline
+    if limit is not None:  # budgets at the IR programs' scale
+        pipeline_text = pipeline_text.replace(f"max-in-flight-gb={limit / GIB!r}", f"max-in-flight-gb={ir_budget / GIB!r}")
+        limit = ir_budget
+    note(f"pipeline {pipeline_text!r}\n{text}")
+    after, early = run_text(text, pipeline_text, limit)
+    event(f"gathers moved early: {'none' if not early else 'some'}")
+    event(f"held over budget: {any(getattr(op, 'hold', None) == 'over budget' for op in after.ops())}")
+    if limit == 0:
+        assert not any(isinstance(op, Launch) and op.prefetched for op in after.ops())
+
+
+HAND_WRITTEN = {
+    "docstring": """
+        %x = input
+        %w = input
+        %ag = launch "all_gather_into_tensor"(%w) {role = fsdp_all_gather, nbytes = 4096, params = ["w"]}
+        %wt = wait(%ag)
+        %mm = compute "aten.mm"(%x, %wt) {heavy}
+        %output = output(%mm)
+    """,
+    "stack after a barrier": """
+        %x = input
+        %s0 = input
+        %s1 = input
+        %s2 = input
+        %b = barrier "aten.copy_"(%x)
+        %m0 = compute "aten.mm"(%x, %x) {heavy}
+        %g1 = launch "ag"(%s1) {role = fsdp_all_gather, nbytes = 512, params = ["p1"]}
+        %w1 = wait(%g1)
+        %m1 = compute "aten.mm"(%m0, %w1) {heavy}
+        %g2 = launch "ag"(%s2) {role = fsdp_all_gather, nbytes = 512, params = ["p2"]}
+        %w2 = wait(%g2)
+        %m2 = compute "aten.mm"(%m1, %w2) {heavy}
+        %g0 = launch "ag"(%s0) {role = fsdp_all_gather, nbytes = 512, params = ["p0"]}
+        %w0 = wait(%g0)
+        %m3 = compute "aten.mm"(%m2, %w0) {heavy}
+        %output = output(%m3)
+    """,
+    "re-gather after its free, across the phases": """
+        %x = input
+        %s = input
+        %g = launch "ag"(%s) {role = fsdp_all_gather, nbytes = 64, params = ["p"]}
+        %w = wait(%g)
+        %v = view "aten.view"(%w)
+        %m = compute "aten.mm"(%x, %v) {heavy}
+        %f = free "release"(%v) {params = ["p"]}
+        %n = compute "aten.neg"(%m)
+        ^backward
+        %k = compute "aten.neg"(%n)
+        %h = compute "aten.mm"(%k, %k) {heavy}
+        %rg = launch "ag"(%s) {role = fsdp_all_gather_backward, nbytes = 64, params = ["p"]}
+        %rw = wait(%rg)
+        %rm = compute "aten.mm"(%h, %rw) {heavy}
+        %rf = free "release"(%rw) {params = ["p"]}
+        %rs = launch "reduce_scatter"(%rm) {role = fsdp_reduce_scatter}
+        %rsw = wait(%rs)
+        %output = output(%rsw)
+    """,
+}
+
+
+@pytest.mark.parametrize("name", sorted(HAND_WRITTEN))
+@pytest.mark.parametrize("pipeline,limit", [
+    ("anchor,budget,prefetch,sink", GIB),
+    ("anchor{forward-depth=3,backward-depth=3},budget{max-in-flight-gb=9.5367431640625e-07},prefetch,sink", 1024),
+    ("anchor{forward-depth=2,backward-depth=0},prefetch,sink", None),
+    ("anchor,budget{max-in-flight-gb=0.0},prefetch,sink", 0),
+    ("sink", None),
+])
+def test_hand_written_programs(name, pipeline, limit):
+    text = "\n".join(line.strip() for line in HAND_WRITTEN[name].strip().splitlines()) + "\n"
+    run_text(text, pipeline, limit)
