@@ -37,11 +37,15 @@ class Hide(ModulePass):
         gathers = ctx.get(GatherAnalysis, program)
         ms = ctx.get(CostAnalysis, program).ms
         schedule = program.schedule
-        # compute-stream time at which each slot is reached (launches cost the compute stream nothing)
+        # compute-stream time at which each slot is reached. Launches cost the compute stream
+        # nothing; what the scheduling passes move (chains' casts and packs, realizations'
+        # copy-outs) is left off the clock, so that it reads the same on a second run over this
+        # pipeline's own output (those ops are small next to the compute that hides gathers)
+        chained = {n for g in gathers.gathers for n in (*g.chain, *g.realization)}
         start_at, clock = [], 0.0
         for name in schedule:
             start_at.append(clock)
-            if not isinstance(program.op(name), Launch):
+            if name not in chained and not isinstance(program.op(name), Launch):
                 clock += ms.get(name, 0.0)
 
         streams: dict[str, list[Gather]] = {}
@@ -60,9 +64,8 @@ class Hide(ModulePass):
         for stream, members in streams.items():
             busy = sorted(fixed.get(stream, []))
             limit = float("inf")
-            # latest deadline first; equal deadlines keep launch order on the stream
-            for g in sorted(members, key=lambda g: (schedule.index(g.first_consumer), schedule.index(g.launch)),
-                            reverse=True):
+            # latest deadline first; equal deadlines by name, which no reordering changes
+            for g in sorted(members, key=lambda g: (schedule.index(g.first_consumer), g.launch), reverse=True):
                 op = program.op(g.launch)
                 if op.hold is not None and op.anchor is None and not op.prefetched and op.hold not in _OURS:
                     stats["held"] += 1  # lowering held it: leave its reason
@@ -76,8 +79,9 @@ class Hide(ModulePass):
                     begin, reason = earliest, NOT_HIDDEN
                 slot = max(bisect.bisect_right(start_at, begin) - 1, 0)
                 here = schedule.index(g.chain[0])
-                limit = min(begin, start_at[here])
-                if slot >= here:  # it stays, so it holds the stream from where it is
+                # the stream is its from the launch slot it gets (the same on a second run)
+                limit = start_at[min(slot, here)]
+                if slot >= here:  # it stays where it is
                     new = attrs.evolve(op, anchor=None, hold=reason or HIDDEN)
                     stats[reason or HIDDEN] += 1
                 else:
