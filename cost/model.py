@@ -161,7 +161,8 @@ def collective_kind(target: str) -> str:
 
 def collective_bytes(op: Launch, program: Program) -> int:
     """The bytes the bandwidth term counts: an all-gather's gathered output (its `nbytes` when
-    the type is unknown), a reduce-scatter's input, otherwise the (first) input."""
+    the type is unknown), a reduce-scatter's input (its output × group size when the input's
+    type is unknown), otherwise the (first) input."""
     kind = collective_kind(op.target)
     if kind == "all_gather":
         out = _first_tensor(op.types)
@@ -172,7 +173,10 @@ def collective_bytes(op: Launch, program: Program) -> int:
     if a is not None and a.nbytes is not None:
         return a.nbytes
     out = _first_tensor(op.types)
-    return (out.nbytes or 0) if out is not None else 0
+    if out is None or out.nbytes is None:
+        return 0
+    # input unknown: a reduce-scatter's input is its output times the group size
+    return out.nbytes * (op.group_size or 1) if kind == "reduce_scatter" else out.nbytes
 
 
 # ---- models ----------------------------------------------------------------------------
