@@ -14,6 +14,7 @@ from torch import fx
 
 from .config import read_config
 from .ir import Launch, Program
+from .ir.gcpause import gc_paused
 from .lowering import lower
 from .passes import DEFAULT_PIPELINE, Instrument, PassContext, PassManager, PipelineResult, Timing
 from .raising import raise_program
@@ -68,10 +69,11 @@ def schedule(gm: fx.GraphModule, pipeline: str = DEFAULT_PIPELINE, *, verify_eac
     timer = Timing() if timing else None
     if timer:
         manager.instruments.insert(0, timer)
-    gm.graph.lint()
-    program = lower(gm)
-    result = manager.run(program, PassContext(cost_model=cost_model))
-    raised = raise_program(program)
+    with gc_paused():  # one pause for all stages: a full collection between them scans the whole graph
+        gm.graph.lint()
+        program = lower(gm)
+        result = manager.run(program, PassContext(cost_model=cost_model))
+        raised = raise_program(program)
     # Tag what this run moved, as the drop-in does: lowering reads the tag back, so scheduling
     # the result again counts these gathers in flight instead of overshooting the budget.
     moved = {row["launch"]: row["anchor"] for row in gather_table(program)

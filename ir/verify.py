@@ -6,11 +6,10 @@ leave the program verified; the pass manager runs this between passes.
 
 from __future__ import annotations
 
-import gc
-
 import networkx as nx
 
 from .effects import storage_readers, storage_root
+from .gcpause import gc_paused
 from .ops import Free, Input, Launch, Marker, Output, Phase, Wait
 from .program import DATA, Program
 
@@ -29,13 +28,8 @@ def verify(program: Program, *, structure: bool = True) -> None:
     `structure=False` checks only the schedule against the graph: enough after a pass that
     changed nothing but the order and op attributes.
     """
-    paused = gc.isenabled()  # the checks allocate many small objects next to a large graph
-    gc.disable()
-    try:
+    with gc_paused():
         _verify(program, structure)
-    finally:
-        if paused:
-            gc.enable()
 
 
 def _verify(program: Program, structure: bool) -> None:

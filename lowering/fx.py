@@ -6,7 +6,6 @@ gather stays where it is, or the node becomes a barrier) recorded in `program.no
 
 from __future__ import annotations
 
-import gc
 import operator
 
 import torch
@@ -14,6 +13,7 @@ from torch import fx
 
 from ..ir import (DTYPE_BYTES, Barrier, EffectError, Cast, Compute, Constant, CopyOut, Free, Input, Launch, Op, Output, Phase, Program,
                   Role, Schedule, TensorType, View, Wait, derive_effects)
+from ..ir.gcpause import gc_paused
 
 GATHER_TAGS = {"fsdp_all_gather": Role.GATHER, "fsdp_all_gather_backward": Role.REGATHER}
 FREE_TAGS = ("fsdp_reshard_free", "fsdp_reshard_free_backward")
@@ -254,14 +254,8 @@ def _group_size(node: fx.Node) -> int | None:
 
 def lower(gm: fx.GraphModule) -> Program:
     """Lower `gm` (left untouched) into a verified-ready Program with all effect edges."""
-    # millions of long-lived small objects: generational GC finds nothing to free here
-    paused = gc.isenabled()
-    gc.disable()
-    try:
+    with gc_paused():
         return _lower(gm)
-    finally:
-        if paused:
-            gc.enable()
 
 
 def _lower(gm: fx.GraphModule) -> Program:

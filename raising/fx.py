@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import gc
-
 from torch import fx
 
 from ..ir import Input, Marker, Program
+from ..ir.gcpause import gc_paused
 
 
 class RaisingError(ValueError):
@@ -15,13 +14,8 @@ class RaisingError(ValueError):
 
 def raise_program(program: Program, *, lint: bool = True) -> fx.GraphModule:
     """Copy each lowered FX node into a new graph in schedule order; markers vanish."""
-    paused = gc.isenabled()  # as in lowering: nothing for the collector to find, much to scan
-    gc.disable()
-    try:
+    with gc_paused():
         return _raise(program, lint)
-    finally:
-        if paused:
-            gc.enable()
 
 
 def _raise(program: Program, lint: bool) -> fx.GraphModule:
