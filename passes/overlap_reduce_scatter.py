@@ -1,8 +1,8 @@
 """overlap-reduce-scatter: let gradient reduce-scatters run under the backward compute after them.
 
-Each reduce-scatter's wait moves down to just before its earliest successor (its users, or
-the barrier, free or output that bounds it through an effect edge), so the compute between
-launch and wait hides it. Gradient bytes kept alive by a delayed wait are in flight from the
+Each reduce-scatter's views (a bucket's per-parameter slices) sink to their uses, then its
+wait moves down to just before its earliest successor (its users, or the barrier, free or
+output that bounds it through an effect edge), so the compute between launch and wait hides it. Gradient bytes kept alive by a delayed wait are in flight from the
 launch to the wait; reduce-scatters are admitted in launch order while the in-flight total
 stays within `max-in-flight-gb`; the others keep their wait where it was.
 """
@@ -11,10 +11,11 @@ from __future__ import annotations
 
 import dataclasses
 
-from ..ir import Launch, Program, Role, Wait
+from ..ir import Launch, Program, Role, View, Wait
 from .base import ModulePass, PassContext, PassResult, check_budget, register_pass
 from .budget import MaxTree
 from .gathers import GatherAnalysis
+from .sink import sink_in_order
 
 
 @register_pass
@@ -40,6 +41,9 @@ class OverlapReduceScatter(ModulePass):
         for name in launches:
             waits = [u for u in program.users(name) if isinstance(program.op(u), Wait)]
             wait = waits[0]
+            # views of the result (a bucket's per-parameter slices) alias it and hold nothing:
+            # they go down to their uses first, so that the wait can follow them
+            sink_in_order(program, sorted(_views_of(program, wait), key=schedule.index))
             succ = program.graph.succ[wait]
             if not succ:
                 stats["in place"] += 1
@@ -58,3 +62,13 @@ class OverlapReduceScatter(ModulePass):
             schedule.move_before([wait], target)
             stats["overlapped"] += 1
         return PassResult(stats["overlapped"] > 0, stats)
+
+
+def _views_of(program: Program, root: str) -> set[str]:
+    views, stack = set(), [root]
+    while stack:
+        for user in program.users(stack.pop()):
+            if isinstance(program.op(user), View) and user not in views:
+                views.add(user)
+                stack.append(user)
+    return views

@@ -23,21 +23,27 @@ class Sink(ModulePass):
 
     def apply(self, ctx: PassContext, program: Program) -> PassResult:
         analysis = ctx.get(GatherAnalysis, program)
-        schedule = program.schedule
-        pos = schedule.index
-        succ = program.graph.succ
-        sunk = 0
-        for g in analysis.gathers:
-            after = None
-            for name in reversed(g.realization):
-                if not program.users(name):
-                    continue
-                bounds = list(succ[name])
-                if after is not None:
-                    bounds.append(after)
-                target = min(bounds, key=pos)
-                if pos(target) > pos(name) + 1:
-                    schedule.move_before([name], target)
-                    sunk += 1
-                after = name
+        sunk = sum(sink_in_order(program, g.realization) for g in analysis.gathers)
         return PassResult(sunk > 0, {"sunk": sunk})
+
+
+def sink_in_order(program: Program, nodes: tuple[str, ...] | list[str]) -> int:
+    """Sink `nodes` (in schedule order), latest first, each to just before the earliest of its
+    successors and of the next node that was sunk; nodes nobody reads stay. Returns the count."""
+    schedule = program.schedule
+    pos = schedule.index
+    succ = program.graph.succ
+    sunk = 0
+    after = None
+    for name in reversed(nodes):
+        if not program.users(name):
+            continue
+        bounds = list(succ[name])
+        if after is not None:
+            bounds.append(after)
+        target = min(bounds, key=pos)
+        if pos(target) > pos(name) + 1:
+            schedule.move_before([name], target)
+            sunk += 1
+        after = name
+    return sunk

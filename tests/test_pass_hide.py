@@ -160,3 +160,22 @@ def test_untagged_program_is_unchanged():
     program, stats = run(text, "hide,budget,prefetch,sink,overlap-reduce-scatter")
     assert print_program(program) == text.lstrip("\n")
     assert not any(s["changed"] for s in stats.values())
+
+
+def test_reduce_scatter_views_sink_first_so_the_wait_can_follow():
+    # a bucket's gradient: one reduce-scatter whose result is sliced per parameter for the output
+    text = dedent('''
+        %x = input
+        ^entry
+        %g = compute "c"(%x) : f32[8]
+        %rs = launch "rs"(%g) {group = "0", role = fsdp_reduce_scatter}
+        %rw = wait(%rs)
+        %s1 = view "aten.slice.Tensor"(%rw)
+        %s2 = view "aten.slice.Tensor"(%rw)
+        %c1 = compute "c"(%g)
+        %c2 = compute "c"(%c1)
+        %output = output(%c2, %s1, %s2)
+    ''')
+    program, stats = run(text, "overlap-reduce-scatter")
+    assert program.schedule.names()[-4:] == ["rw", "s1", "s2", "output"]
+    assert stats["overlap-reduce-scatter"]["overlapped"] == 1
