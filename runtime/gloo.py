@@ -4,6 +4,8 @@ Results come back through files (never a queue), so a rank that dies cannot hang
 
 from __future__ import annotations
 
+import contextlib
+import faulthandler
 import importlib
 import json
 import multiprocessing
@@ -48,6 +50,10 @@ def _use_group_name(group_name: str | None) -> None:
 
 
 def _worker(rank: int, world_size: int, port: int, group_name: str | None, out_dir: str) -> None:
+    # a crash in native code (SIGSEGV) leaves no Python traceback: have faulthandler write
+    # every thread's Python stack to a file the parent reads into its RankFailure
+    fault = open(os.path.join(out_dir, f"rank{rank}.fault"), "w")
+    faulthandler.enable(file=fault, all_threads=True)
     try:
         # Ranks share few cores; more intra-op threads only contend.
         torch.set_num_threads(1)
@@ -92,6 +98,30 @@ def _is_peer_failure(exc: BaseException) -> bool:
     return isinstance(exc, dist.DistNetworkError) or any(m in text for m in _PEER_FAILURE_MARKERS)
 
 
+def _read(path: str) -> str:
+    try:
+        with open(path) as f:
+            return f.read()
+    except OSError:
+        return ""
+
+
+@contextlib.contextmanager
+def _quiet_numpy_warning():
+    """Spawned ranks inherit the environment: keep torch's import-time "Failed to initialize
+    NumPy" warning (numpy is not a dependency) out of every rank's stderr."""
+    old = os.environ.get("PYTHONWARNINGS")
+    quiet = "ignore:Failed to initialize NumPy"
+    os.environ["PYTHONWARNINGS"] = f"{old},{quiet}" if old else quiet
+    try:
+        yield
+    finally:
+        if old is None:
+            del os.environ["PYTHONWARNINGS"]
+        else:
+            os.environ["PYTHONWARNINGS"] = old
+
+
 def run_ranks(
     fn: Callable[..., Any],
     world_size: int = 2,
@@ -129,8 +159,9 @@ def run_ranks(
     try:
         with open(os.path.join(out_dir, "payload.pkl"), "wb") as f:
             pickle.dump((fn, tuple(args)), f)
-        for p in procs:
-            p.start()
+        with _quiet_numpy_warning():
+            for p in procs:
+                p.start()
         startup_deadline = time.monotonic() + max(timeout, STARTUP_TIMEOUT)
         deadline = None  # set once every rank is in the group
         running = set(range(world_size))
@@ -207,7 +238,9 @@ def _first_failure(out_dir: str, procs) -> RankFailure:
         return RankFailure(rank, records[rank]["traceback"], exitcode=procs[rank].exitcode)
     for rank, p in enumerate(procs):
         if p.exitcode not in (None, 0) and rank not in records:
-            return RankFailure(rank, "process died without a Python traceback", exitcode=p.exitcode)
+            stack = _read(os.path.join(out_dir, f"rank{rank}.fault")).strip()
+            detail = f"process died; faulthandler:\n{stack}" if stack else "process died without a Python traceback"
+            return RankFailure(rank, detail, exitcode=p.exitcode)
     rank = min((r["time"], rank) for rank, r in records.items())[1]
     return RankFailure(rank, records[rank]["traceback"], exitcode=procs[rank].exitcode)
 
