@@ -2,32 +2,15 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
-import textwrap
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from irtest import dedent, filecheck
 from fxsched.ir import (BACKWARD, DTYPE_BYTES, ENTRY, OP_KINDS, Barrier, Cast, Compute, CopyOut, Free, Input,
                         Launch, Marker, Output, ParseError, Phase, Program, Role, Schedule, TensorType, View, Wait,
                         derive_effects, parse_program, print_program, verify)
-
-
-def dedent(text: str) -> str:
-    return textwrap.dedent(text).lstrip("\n")
-
-
-def filecheck(output: str, checks: str) -> None:
-    """Run the `filecheck` package (a Python FileCheck) on `output` with `checks` as the check file."""
-    import tempfile
-
-    with tempfile.NamedTemporaryFile("w", suffix=".check", delete=False) as f:
-        f.write(dedent(checks))
-    result = subprocess.run([sys.executable, "-m", "filecheck", f.name], input=output,
-                            capture_output=True, text=True)
-    assert result.returncode == 0, f"filecheck failed:\n{result.stdout}{result.stderr}\n--- input ---\n{output}"
 
 
 # Every op kind, every attribute type: strings (targets, group, bucket, hold with escapes, reason),

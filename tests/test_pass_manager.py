@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import dataclasses
 import io
-import textwrap
 
 import pytest
 
+from irtest import dedent
 from fxsched.ir import Schedule, VerifyError, parse_program, print_program, verify
 from fxsched.passes import (PASSES, REFERENCE_PIPELINE, Analysis, GatherAnalysis, ModulePass, PassContext,
                             PassFailure, PassManager, PassResult, PipelineError, PrintIR, Timing, make_pass,
@@ -17,10 +17,6 @@ from fxsched.passes.anchor import Anchor
 from fxsched.passes.budget import Budget
 from fxsched.passes.prefetch import Prefetch
 from fxsched.passes.sink import Sink
-
-
-def dedent(text: str) -> str:
-    return textwrap.dedent(text).lstrip("\n")
 
 
 PROGRAM = dedent('''

@@ -2,32 +2,12 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
-import tempfile
-import textwrap
 
 import pytest
 
+from irtest import dedent, filecheck, run
 from fxsched.ir import parse_program, print_program, verify
 from fxsched.passes import PassContext, PassManager, parse_pipeline
-
-
-def dedent(text: str) -> str:
-    return textwrap.dedent(text).lstrip("\n")
-
-
-def filecheck(output: str, checks: str) -> None:
-    with tempfile.NamedTemporaryFile("w", suffix=".check", delete=False) as f:
-        f.write(dedent(checks))
-    result = subprocess.run([sys.executable, "-m", "filecheck", f.name], input=output, capture_output=True, text=True)
-    assert result.returncode == 0, f"filecheck failed:\n{result.stdout}{result.stderr}\n--- input ---\n{output}"
-
-
-def run(text: str, pipeline: str):
-    program = parse_program(dedent(text))
-    result = PassManager(pipeline).run(program)
-    return program, result
 
 
 def joint(forward: int, backward: int) -> str:
