@@ -14,7 +14,7 @@ import attrs
 
 from ..ir import Launch, Phase, Program
 from .base import ModulePass, PassContext, PassResult, check_depth, register_pass
-from .gathers import Gather, GatherAnalysis
+from .gathers import Gather, GatherAnalysis, held_by_lowering
 
 
 @register_pass
@@ -43,8 +43,8 @@ class Anchor(ModulePass):
             anchors = self._anchors(program, gathers, phase, depth) if depth else {}
             for g in gathers:
                 op = program.op(g.launch)
-                if op.hold is not None and op.anchor is None and op.hold not in REASONS:
-                    continue  # lowering held it (malformed tags): leave its reason
+                if held_by_lowering(op):
+                    continue  # malformed tags: leave its reason
                 if depth == 0:
                     reason = "depth 0"
                 elif g.launch in anchors:
@@ -106,9 +106,6 @@ class Anchor(ModulePass):
                 for g in groups[consumer]:
                     if pos(anchor) < pos(anchors.get(g.launch, consumer)):
                         anchors[g.launch] = anchor
-
-
-REASONS = ("first group", "depth 0", "no consumer", "no earlier legal slot", "over budget", "unknown size")
 
 
 def _set(op: Launch, anchor: str | None, hold: str | None) -> Launch:

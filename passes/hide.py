@@ -20,7 +20,7 @@ from ..cost.model import CostAnalysis
 from ..cost.simulate import stream_of
 from ..ir import Launch, Program
 from .base import ModulePass, PassContext, PassResult, register_pass
-from .gathers import Gather, GatherAnalysis
+from .gathers import Gather, GatherAnalysis, held_by_lowering
 
 HIDDEN = "hidden where it is"
 NOT_HIDDEN = "cannot be hidden"  # still anchored: as early as legal exposes the least
@@ -67,7 +67,7 @@ class Hide(ModulePass):
             # latest deadline first; equal deadlines by name, which no reordering changes
             for g in sorted(members, key=lambda g: (schedule.index(g.first_consumer), g.launch), reverse=True):
                 op = program.op(g.launch)
-                if op.hold is not None and op.anchor is None and not op.prefetched and op.hold not in _OURS:
+                if held_by_lowering(op):
                     stats["held"] += 1  # lowering held it: leave its reason
                     continue
                 duration = ms.get(g.launch, 0.0)
@@ -92,10 +92,6 @@ class Hide(ModulePass):
                     program.replace(new)
                     changed = True
         return PassResult(changed, stats)
-
-
-_OURS = ("first group", "depth 0", "no consumer", "no earlier legal slot", "over budget", "unknown size",
-         HIDDEN, NOT_HIDDEN)
 
 
 def _fit(begin: float, duration: float, busy: list[tuple[float, float]]) -> float:

@@ -179,3 +179,14 @@ def test_reduce_scatter_views_sink_first_so_the_wait_can_follow():
     program, stats = run(text, "overlap-reduce-scatter")
     assert program.schedule.names()[-4:] == ["rw", "s1", "s2", "output"]
     assert stats["overlap-reduce-scatter"]["overlapped"] == 1
+
+
+def test_anchor_after_hide_takes_over_hides_holds_but_keeps_lowerings():
+    text = TWO_GATHERS.replace('params = ["w2"]}', 'params = ["w2"], hold = "no parameter name"}')
+    program, _ = run(text, "hide")
+    assert program.op("a1").hold == "cannot be hidden"
+    PassManager("anchor").run(program)
+    # a1 is in the first consumer group: anchor's own reason replaces hide's
+    assert program.op("a1").hold == "first group"
+    # a hold lowering set (malformed tags) survives both passes
+    assert program.op("a2").hold == "no parameter name" and program.op("a2").anchor is None
