@@ -19,13 +19,13 @@ this package never imports passes/).
 
 from __future__ import annotations
 
-import gc
 import math
 from collections.abc import Callable, Mapping
 from typing import Any
 
 import attrs
 
+from ..ir.gcpause import gc_paused
 from ..ir import Constant, Input, Launch, Marker, Op, Output, Program, Free, View, Wait
 from .hardware import H100, Hardware, hardware
 
@@ -299,13 +299,8 @@ def op_costs(program: Program, model: Any = None) -> dict[str, float]:
     """{op name: ms} for every op of `program` (in schedule order)."""
     model = as_cost_model(model)
     nodes = program.graph.nodes
-    was_enabled = gc.isenabled()
-    gc.disable()   # see cost.simulate: GC passes over a large graph find nothing to free here
-    try:
+    with gc_paused():
         return {name: model.op_ms(nodes[name]["op"], program) for name in program.schedule}
-    finally:
-        if was_enabled:
-            gc.enable()
 
 
 @attrs.frozen

@@ -16,12 +16,12 @@ One pass over the schedule and the edges, plus a sort of the gather intervals: O
 
 from __future__ import annotations
 
-import gc
 from collections.abc import Mapping
 from typing import Any
 
 import attrs
 
+from ..ir.gcpause import gc_paused
 from ..ir import Free, Launch, Output, Program, View, Wait
 from .model import STATIC, as_cost_model, collective_kind, op_costs
 
@@ -89,15 +89,8 @@ def simulate(program: Program, model: Any = None, *, costs: Mapping[str, float] 
              record: bool = False) -> Simulation:
     """Simulate `program.schedule` with `model` (anything `as_cost_model` takes) or given
     per-op `costs` in ms. `record` keeps per-op events and the memory curve (for timelines)."""
-    # The sweep allocates many short-lived containers next to a large, long-lived graph:
-    # generational GC passes over the graph find nothing to free and can dominate the time.
-    was_enabled = gc.isenabled()
-    gc.disable()
-    try:
+    with gc_paused():
         return _simulate(program, model, costs, record)
-    finally:
-        if was_enabled:
-            gc.enable()
 
 
 def _simulate(program: Program, model: Any, costs: Mapping[str, float] | None, record: bool) -> Simulation:
