@@ -1,8 +1,18 @@
-"""Raise a Program into a fresh torch.fx GraphModule in schedule order, meta kept."""
+"""Raise a Program into a fresh torch.fx GraphModule in schedule order, meta kept.
+
+The module's Python code is generated lazily, on its first call or `.code` (torch's
+`_LazyGraphModule`, as Inductor's own passes use): a scheduling pass hands the graph on and
+most callers never run its code, and generating it is over half of raising at 30k nodes.
+"""
 
 from __future__ import annotations
 
 from torch import fx
+
+try:  # torch-internal; without it, fall back to an eager recompile
+    from torch.fx._lazy_graph_module import _LazyGraphModule as _GraphModule
+except ImportError:  # pragma: no cover
+    _GraphModule = fx.GraphModule
 
 from ..ir import Input, Marker, Program
 from ..ir.gcpause import gc_paused
@@ -38,7 +48,7 @@ def _raise(program: Program, lint: bool) -> fx.GraphModule:
         env[node] = graph.node_copy(node, env.__getitem__)
         if isinstance(op, Input) and env[node].name != name:
             raise RaisingError(f"input %{name} was renamed to {env[node].name}")
-    gm = fx.GraphModule(source, graph, class_name=type(source).__name__)
+    gm = _GraphModule(source, graph, class_name=type(source).__name__)
     gm.meta.update(source.meta)
     if lint:
         graph.lint()
