@@ -57,6 +57,8 @@ class Simulation:
     peak_at: str | None                         # the op at which memory peaked
     inflight: tuple[tuple[float, int], ...]     # (ms, gathered bytes launched and not yet waited) steps
     max_inflight_bytes: int
+    issued_ms: Mapping[str, float] = attrs.field(factory=dict)   # launch -> compute time it was issued
+    started_ms: Mapping[str, float] = attrs.field(factory=dict)  # launch -> time its stream started it
     events: tuple[Event, ...] = ()              # with record=True
     memory: tuple[tuple[float, int], ...] = ()  # with record=True: (ms, live bytes) after each op
 
@@ -108,6 +110,7 @@ def _simulate(program: Program, model: Any, costs: Mapping[str, float] | None, r
     stream_busy: dict[str, float] = {}
     coll_end: dict[str, float] = {}
     issued: dict[str, float] = {}
+    started: dict[str, float] = {}
     waited: dict[str, float] = {}
     exposed: dict[str, float] = {}
     events: list[Event] = []
@@ -123,6 +126,7 @@ def _simulate(program: Program, model: Any, costs: Mapping[str, float] | None, r
             stream_busy[stream] = stream_busy.get(stream, 0.0) + cost
             coll_end[name] = end
             issued[name] = t
+            started[name] = start
             exposed[name] = 0.0
             if record:
                 events.append(Event(name, stream, start, cost, op.KIND, op.target))
@@ -226,5 +230,6 @@ def _simulate(program: Program, model: Any, costs: Mapping[str, float] | None, r
         step_ms=step, compute_ms=compute_busy, comm_ms=sum(stream_busy.values()),
         comm_ms_by_stream=stream_busy, exposed_ms=sum(exposed.values()), exposed_by_collective=exposed,
         peak_bytes=peak, peak_at=peak_at, inflight=tuple(inflight), max_inflight_bytes=max_level,
+        issued_ms=issued, started_ms=started,
         events=tuple(events), memory=tuple(memory),
     )

@@ -1,0 +1,98 @@
+"""Where a schedule's exposed communication comes from, and whether moving collectives could hide it.
+
+Each collective's exposed time (the compute stream idle at its wait) goes to one cause:
+
+- `stream busy`: the part it spent waiting for its stream to finish collectives launched before
+  it that are waited on no later than it, or must run before it (the collective order);
+- `reorderable`: the part it spent queued behind a collective waited on later than it;
+- `movable`: the rest, when compute runs between the launch's earliest legal slot and the launch,
+  or between its wait and the wait's first successor — a pass could still move it;
+- `at legal limit`: the rest, when the launch sits at its earliest legal slot and the wait at its
+  latest: no legal move of communication hides more of it (only reordering compute could).
+
+Legal slots are read off the program's edges (data and effect), the same rules `ir.verify` checks.
+Views and casts read only by a launch travel with it, as the passes move them; views of a
+wait's result travel with the wait.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Mapping
+from itertools import accumulate
+
+from ..ir import Cast, Launch, Program, View, Wait
+from .simulate import Simulation, stream_of
+
+BUSY, REORDERABLE, MOVABLE, AT_LIMIT = "stream busy", "reorderable", "movable", "at legal limit"
+CAUSES = (AT_LIMIT, BUSY, REORDERABLE, MOVABLE)
+
+
+def exposure_causes(program: Program, sim: Simulation, costs: Mapping[str, float]) -> dict[str, float]:
+    """Exposed ms of `sim` (a simulation of `program.schedule` with `costs`) by cause."""
+    out = dict.fromkeys(CAUSES, 0.0)
+    for name, cause in classify(program, sim, costs).items():
+        queued = cause["queued"]
+        out[cause["queue"]] += queued
+        out[cause["rest"]] += sim.exposed_by_collective[name] - queued
+    return out
+
+
+def classify(program: Program, sim: Simulation, costs: Mapping[str, float]) -> dict[str, dict]:
+    """For each collective with exposed time: {"queued": ms, "queue": BUSY or REORDERABLE,
+    "rest": AT_LIMIT or MOVABLE}."""
+    schedule = program.schedule
+    pos = schedule.index
+    deadline = {n: min((pos(w) for w in program.users(n) if isinstance(program.op(w), Wait)), default=len(schedule))
+                for n in sim.started_ms}
+    by_stream: dict[str, list[tuple[float, str]]] = {}
+    for n, start in sim.started_ms.items():
+        by_stream.setdefault(stream_of(program.op(n)), []).append((start, n))
+    for runs in by_stream.values():
+        runs.sort()
+    # compute-stream work before each position (launches cost the compute stream nothing)
+    work = [0.0, *accumulate(0.0 if isinstance(program.op(n), Launch) else costs.get(n, 0.0) for n in schedule)]
+    out = {}
+    for name, exposed in sim.exposed_by_collective.items():
+        if exposed <= 0:
+            continue
+        issued, started = sim.issued_ms.get(name, 0.0), sim.started_ms.get(name, 0.0)
+        queued = min(exposed, max(0.0, started - issued))
+        runs = by_stream[stream_of(program.op(name))]
+        ahead = runs[bisect.bisect_left(runs, (issued, "")):bisect.bisect_left(runs, (started, name))]
+        ordered = not program.op(name).is_gather
+        later = any(deadline[d] > deadline[name] and not (ordered and not program.op(d).is_gather)
+                    for _, d in ahead)
+        chain = _launch_chain(program, name)
+        earliest = max((pos(p) + 1 for n in chain for p in program.graph.pred[n] if p not in chain), default=0)
+        travelling = sum(costs.get(n, 0.0) for n in chain if earliest <= pos(n) < pos(name))
+        late_launch = work[pos(name)] - work[earliest] - travelling > 1e-12
+        late_wait = any(_slack_after(program, wait, work) > 1e-12 for wait in program.users(name)
+                        if isinstance(program.op(wait), Wait))
+        out[name] = {"queued": queued, "queue": REORDERABLE if later else BUSY,
+                     "rest": MOVABLE if late_launch or late_wait else AT_LIMIT}
+    return out
+
+
+def _launch_chain(program: Program, launch: str) -> set[str]:
+    chain, stack = {launch}, [launch]
+    while stack:
+        for p in program.graph.pred[stack.pop()]:
+            if isinstance(program.op(p), (View, Cast)) and set(program.users(p)) <= chain:
+                chain.add(p)
+                stack.append(p)
+    return chain
+
+
+def _slack_after(program: Program, wait: str, work: list[float]) -> float:
+    """Compute between `wait` and the first successor it (with its result's views) must precede."""
+    pos = program.schedule.index
+    travelling, stack, bound = {wait}, [wait], len(work) - 1
+    while stack:
+        for s in program.graph.succ[stack.pop()]:
+            if isinstance(program.op(s), View) and s not in travelling:
+                travelling.add(s)
+                stack.append(s)
+            elif s not in travelling:
+                bound = min(bound, pos(s))
+    return work[bound] - work[pos(wait) + 1]
