@@ -1,6 +1,8 @@
 """overlap-reduce-scatter: let gradient reduce-scatters run under the backward compute after them.
 
-Each reduce-scatter's views (a bucket's per-parameter slices) sink to their uses, then its
+Each reduce-scatter launches as soon as its gradient is ready: the launch, with the views that
+feed only it, rises to just after its latest predecessor (its gradient's producer, or the
+reduce-scatter before it: they keep their order). Then each reduce-scatter's views (a bucket's per-parameter slices) sink to their uses, then its
 wait moves down to just before its earliest successor (its users, or the barrier, free or
 output that bounds it through an effect edge), so the compute between launch and wait hides it. Gradient bytes kept alive by a delayed wait are in flight from the
 launch to the wait; reduce-scatters are admitted in launch order while the in-flight total
@@ -26,6 +28,7 @@ class OverlapReduceScatter(ModulePass):
     reorders_only = True
 
     max_in_flight_gb: float = 1.0
+    hoist: bool = True
 
     def __post_init__(self):
         check_budget(self.name, "max-in-flight-gb", self.max_in_flight_gb)
@@ -37,7 +40,9 @@ class OverlapReduceScatter(ModulePass):
         # in-flight bytes over the starting order's positions; a wait only moves later, so
         # positions between a launch and its new wait never shift out of order
         tree = MaxTree(len(schedule) + 1)
-        stats = {"overlapped": 0, "over budget": 0, "in place": 0}
+        stats = {"hoisted": 0, "overlapped": 0, "over budget": 0, "in place": 0}
+        if self.hoist:
+            stats["hoisted"] = sum(_hoist(program, name) for name in launches)
         for name in launches:
             waits = [u for u in program.users(name) if isinstance(program.op(u), Wait)]
             wait = waits[0]
@@ -61,7 +66,30 @@ class OverlapReduceScatter(ModulePass):
             tree.add(lo, hi, nbytes)
             schedule.move_before([wait], target)
             stats["overlapped"] += 1
-        return PassResult(stats["overlapped"] > 0, stats)
+        return PassResult(stats["hoisted"] + stats["overlapped"] > 0, stats)
+
+
+def _hoist(program: Program, launch: str) -> bool:
+    """Move `launch` and the views that feed only it to just after their latest other
+    predecessor. Returns whether it moved."""
+    schedule = program.schedule
+    pred = program.graph.pred
+    chain, stack = [launch], [launch]
+    while stack:  # views read only by the chain travel with it
+        for p in pred[stack.pop()]:
+            if isinstance(program.op(p), View) and set(program.users(p)) <= set(chain):
+                chain.append(p)
+                stack.append(p)
+    chain.sort(key=schedule.index)
+    members = set(chain)
+    at = max((schedule.index(p) for n in chain for p in pred[n] if p not in members), default=-1) + 1
+    while chain and schedule.index(chain[0]) == at:  # already in place
+        chain.pop(0)
+        at += 1
+    if not chain:
+        return False
+    schedule.move_before(chain, schedule[at])
+    return True
 
 
 def _views_of(program: Program, root: str) -> set[str]:

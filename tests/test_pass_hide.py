@@ -190,3 +190,30 @@ def test_anchor_after_hide_takes_over_hides_holds_but_keeps_lowerings():
     assert program.op("a1").hold == "first group"
     # a hold lowering set (malformed tags) survives both passes
     assert program.op("a2").hold == "no parameter name" and program.op("a2").anchor is None
+
+
+def test_reduce_scatters_launch_as_soon_as_their_gradient_is_ready():
+    # the graph launches both reduce-scatters after the layer's last compute; each rises to just
+    # after its own gradient (with the view that feeds only it), and they keep their order
+    text = dedent('''
+        %x = input
+        ^entry
+        %g1 = compute "c"(%x) : f32[1000]
+        %c1 = compute "c"(%g1)
+        %g2 = compute "c"(%c1) : f32[1000]
+        %c2 = compute "c"(%g2)
+        %v1 = view "aten.view.default"(%g1)
+        %rs1 = launch "rs"(%v1) {group = "0", role = fsdp_reduce_scatter}
+        %rs2 = launch "rs"(%g2) {group = "0", role = fsdp_reduce_scatter}
+        %rw1 = wait(%rs1)
+        %rw2 = wait(%rs2)
+        %c3 = compute "c"(%c2)
+        %output = output(%c3, %rw1, %rw2)
+    ''')
+    program, stats = run(text, "overlap-reduce-scatter")
+    order = program.schedule.names()
+    assert order[:8] == ["x", "^entry", "g1", "v1", "rs1", "c1", "g2", "rs2"]
+    assert order[-3:] == ["rw1", "rw2", "output"]
+    assert stats["overlap-reduce-scatter"]["hoisted"] == 2
+    kept, _ = run(text, "overlap-reduce-scatter{hoist=false}")
+    assert kept.schedule.names().index("rs1") == 7
