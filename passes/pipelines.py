@@ -2,6 +2,6 @@
 the schedule benchmark (bench/bench_schedules.py) found best."""
 
 REFERENCE_PIPELINE = "anchor,budget,prefetch,sink"
-DEFAULT_PIPELINE = "hide,budget,prefetch,sink,overlap-reduce-scatter"
+DEFAULT_PIPELINE = "hide,budget,prefetch,sink,overlap-reduce-scatter,order-gathers"
 
 PIPELINES = {"reference": REFERENCE_PIPELINE, "default": DEFAULT_PIPELINE}

@@ -1,0 +1,131 @@
+"""order-gathers: gathers launched back to back go to their stream most urgent first.
+
+A communication stream runs collectives in launch order, so where several gather chains sit
+next to each other (after a barrier, at the start of a phase, stacked on one anchor) the
+one whose first consumer comes first should launch first. Each run of adjacent gather
+chains, with nothing else between them, is stably sorted by first consumer; a run with an
+edge between two of its chains keeps its order. No node leaves its run, so nothing crosses
+a barrier or another collective. A gather that moves ahead of another now launches early, so
+it is marked `prefetched` and its bytes count against `max-in-flight-gb` from the run to its
+first consumer, as `budget` counts them; a run whose reorder would go over it keeps its order.
+A gather of unknown size, or held by lowering, stays where it is (it ends a run).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import attrs
+
+from ..ir import Program
+from .base import ModulePass, PassContext, PassResult, check_budget, register_pass
+from .budget import MaxTree
+from .gathers import Gather, GatherAnalysis, held_by_lowering
+
+
+@register_pass
+@dataclasses.dataclass(frozen=True)
+class OrderGathers(ModulePass):
+    name = "order-gathers"
+    preserves = (GatherAnalysis,)
+    reorders_only = True
+
+    max_in_flight_gb: float = 1.0
+
+    def __post_init__(self):
+        check_budget(self.name, "max-in-flight-gb", self.max_in_flight_gb)
+
+    def apply(self, ctx: PassContext, program: Program) -> PassResult:
+        analysis = ctx.get(GatherAnalysis, program)
+        schedule = program.schedule
+        pos = schedule.index
+        owner = {n: g for g in analysis.gathers for n in g.chain}
+        runs = _runs(program, analysis.gathers, owner)
+        # early bytes in flight over the slots of this order; a run's gathers are counted from
+        # the run's first slot, wherever in the run they end up
+        start = {g.launch: pos(run[0].chain[0]) for run in runs for g in run}
+        limit = int(self.max_in_flight_gb * 2**30)
+        tree = MaxTree(len(schedule) + 1)
+        for g in analysis.gathers:
+            op = program.op(g.launch)
+            if op.prefetched and op.nbytes:
+                tree.add(start.get(g.launch, pos(g.launch)), pos(g.first_consumer), op.nbytes)
+        stats = {"runs": len(runs), "reordered": 0, "moved ahead": 0, "over budget": 0}
+        for run in runs:
+            urgent = sorted(run, key=lambda g: pos(g.first_consumer))  # stable: ties keep launch order
+            if urgent == run or _linked(program, run, owner):
+                continue
+            ahead = _moved_ahead(run, urgent)
+            newly = [(start[g.launch], pos(g.first_consumer), program.op(g.launch).nbytes)
+                     for g in ahead if not program.op(g.launch).prefetched]
+            if not _admit(tree, newly, limit):
+                stats["over budget"] += 1
+                continue
+            after = schedule[pos(run[-1].chain[-1]) + 1]
+            schedule.move_before([n for g in urgent for n in g.chain], after)
+            stats["reordered"] += 1
+            stats["moved ahead"] += len(ahead)
+            for g in ahead:
+                program.replace(attrs.evolve(program.op(g.launch), prefetched=True))
+        return PassResult(stats["reordered"] > 0, stats)
+
+
+def _moved_ahead(run: list[Gather], urgent: list[Gather]) -> list[Gather]:
+    """The gathers that launch before some chain they followed in `run`, once in `urgent` order."""
+    rank = {g.launch: i for i, g in enumerate(urgent)}
+    ahead, latest = [], -1  # latest: the furthest new place among the chains before, old order
+    for g in run:
+        if latest > rank[g.launch]:
+            ahead.append(g)
+        latest = max(latest, rank[g.launch])
+    return ahead
+
+
+def _admit(tree: MaxTree, spans: list[tuple[int, int, int]], limit: int) -> bool:
+    """Add every (lo, hi, bytes) span to `tree` if all fit within `limit` together; else none."""
+    added = []
+    for lo, hi, nbytes in spans:
+        if tree.max(lo, hi) + nbytes > limit:
+            for span in added:
+                tree.add(span[0], span[1], -span[2])
+            return False
+        tree.add(lo, hi, nbytes)
+        added.append((lo, hi, nbytes))
+    return True
+
+
+def _runs(program: Program, gathers: tuple[Gather, ...], owner: dict[str, Gather]) -> list[list[Gather]]:
+    """Maximal runs (two or more) of contiguous gather chains that follow each other directly."""
+    pos = program.schedule.index
+    runs: list[list[Gather]] = []
+    run: list[Gather] = []
+    end = None  # position just past the last chain of `run`
+    for g in sorted(gathers, key=lambda g: pos(g.chain[0])):
+        first, last = pos(g.chain[0]), pos(g.chain[-1])
+        op = program.op(g.launch)
+        # a chain split by other nodes does not move as one here; a gather of unknown size or
+        # held by lowering must not move early at all
+        contiguous = (last - first + 1 == len(g.chain) and all(owner.get(n) is g for n in g.chain)
+                      and op.nbytes is not None and not held_by_lowering(op))
+        if contiguous and run and first == end:
+            run.append(g)
+        else:
+            if len(run) > 1:
+                runs.append(run)
+            run = [g] if contiguous else []
+        end = last + 1 if contiguous else None
+    if len(run) > 1:
+        runs.append(run)
+    return runs
+
+
+def _linked(program: Program, run: list[Gather], owner: dict[str, Gather]) -> bool:
+    """Whether an edge joins two chains of `run` (then their order is not ours to change)."""
+    members = {id(g) for g in run}
+    for g in run:
+        for n in g.chain:
+            for p in program.graph.pred[n]:
+                o = owner.get(p)
+                if o is not None and o is not g and id(o) in members:
+                    return True
+    return False
