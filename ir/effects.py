@@ -25,7 +25,8 @@ class EffectError(ValueError):
 
 def storage_root(program: Program, name: str) -> str:
     """The node whose storage `name` aliases (follows views to their base)."""
-    while isinstance(op := program.op(name), View) and op.operands:
+    node = program.graph._node
+    while isinstance(op := node[name]["op"], View) and op.operands:
         name = op.operands[0]
     return name
 
@@ -49,43 +50,52 @@ def storage_readers(program: Program, root: str) -> set[str]:
 
 def place_markers(program: Program) -> None:
     """Put `^entry` after the inputs and `^backward` before the first backward op, if absent."""
+    _place_markers(program)
+
+
+def _place_markers(program: Program) -> dict[str, Op]:
+    """`place_markers`, returning the op of every name in the new schedule (derive_effects
+    reads them all, and looking each up in the graph again cost as much as a rule)."""
     order = program.schedule.names()
-    ops = [program.op(n) for n in order]
+    node = program.graph._node
+    ops = {n: node[n]["op"] for n in order}
     if ENTRY not in program.graph:
-        inputs = [n for n, op in zip(order, ops) if isinstance(op, Input)]
-        rest = [n for n, op in zip(order, ops) if not isinstance(op, Input)]
-        if inputs and order[: len(inputs)] != inputs:
+        inputs = [n for n in order if isinstance(ops[n], Input)]
+        if order[: len(inputs)] == inputs:  # as lowering leaves them: the rest is what follows
+            rest = order[len(inputs):]
+        else:
             program.notes.append("inputs were not all first: moved them to the top")
-        program.add(Marker(name=ENTRY))
+            rest = [n for n in order if not isinstance(ops[n], Input)]
+        ops[ENTRY] = program.add(Marker(name=ENTRY))
         order = inputs + [ENTRY] + rest
     if BACKWARD not in program.graph:
-        first = next((i for i, n in enumerate(order) if _phased(program.op(n)) and
-                      program.op(n).phase is Phase.BACKWARD), None)
+        first = next((i for i, n in enumerate(order) if _phased(ops[n]) and ops[n].phase is Phase.BACKWARD), None)
         if first is not None:
-            program.add(Marker(name=BACKWARD, phase=Phase.BACKWARD))
+            ops[BACKWARD] = program.add(Marker(name=BACKWARD, phase=Phase.BACKWARD))
             order.insert(first, BACKWARD)
     program.schedule = type(program.schedule)(order)
+    return ops
+
+
+_UNPHASED = (Input, Marker, Output)
 
 
 def _phased(op: Op) -> bool:
-    return not isinstance(op, (Input, Marker, Output))
+    return not isinstance(op, _UNPHASED)
 
 
 def derive_effects(program: Program) -> None:
     """Add the effect edges of every rule, reading the current schedule as the original order."""
-    place_markers(program)
-    graph = program.graph
+    ops = _place_markers(program)
     order = program.schedule.names()
-    ops = {n: graph.nodes[n]["op"] for n in order}
-
-    index = {n: i for i, n in enumerate(order)}
+    index = program.schedule.index
     for name in order:  # free: readers of the storage first
         op = ops[name]
         if isinstance(op, Free) and op.operands:
             for reader in sorted(storage_readers(program, storage_root(program, op.operands[0]))):
                 if reader == name or isinstance(ops[reader], Free):  # freeing twice reads nothing
                     continue
-                if index[reader] > index[name]:
+                if index(reader) > index(name):
                     raise EffectError(f"%{reader} reads storage that %{name} freed before it "
                                       f"(use after free in the input graph)")
                 program.add_effect(reader, name, "free")
@@ -116,55 +126,95 @@ def derive_effects(program: Program) -> None:
     _boundary_edges(program, order, ops)
 
 
+# The rules below test every node's neighbours, so their per-step cost is most of
+# derive_effects: they read networkx's adjacency dicts directly and use for/else rather
+# than any(generator).
+
 def _barrier_edges(program: Program, order: list[str], ops: dict[str, Op]) -> None:
     graph = program.graph
+    add_effect = program.add_effect
     segment: dict[str, int] = {}
     barriers: list[str] = []
     for name in order:
         op = ops[name]
         if isinstance(op, Barrier):
             if barriers:
-                program.add_effect(barriers[-1], name, "barrier")
+                add_effect(barriers[-1], name, "barrier")
             barriers.append(name)
-        elif _phased(op):
+        elif not isinstance(op, _UNPHASED):
             segment[name] = len(barriers)
     if not barriers:
         return
+    succ, pred, get = graph._succ, graph._pred, segment.get
+    last = len(barriers)
     for name, seg in segment.items():
-        if seg < len(barriers) and not any(segment.get(s) == seg for s in graph._succ[name]):
-            program.add_effect(name, barriers[seg], "barrier")
-        if seg > 0 and not any(segment.get(p) == seg for p in graph._pred[name]):
-            program.add_effect(barriers[seg - 1], name, "barrier")
+        if seg < last:  # the segment's last node(s): before the barrier that ends it
+            for s in succ[name]:
+                if get(s) == seg:
+                    break
+            else:
+                add_effect(name, barriers[seg], "barrier")
+        if seg > 0:  # its first node(s): after the barrier that starts it
+            for p in pred[name]:
+                if get(p) == seg:
+                    break
+            else:
+                add_effect(barriers[seg - 1], name, "barrier")
 
 
 def _phase_edges(program: Program, order: list[str], ops: dict[str, Op]) -> None:
     if BACKWARD not in ops:
         return
     graph = program.graph
-    phase = {n: op.phase for n, op in ops.items() if _phased(op) or isinstance(op, Barrier)}
+    add_effect = program.add_effect
+    phase = {}  # of every phased op (barriers too), in schedule order
+    for name in order:
+        op = ops[name]
+        if not isinstance(op, _UNPHASED):
+            phase[name] = op.phase
+    succ, pred, get = graph._succ, graph._pred, phase.get
+    forward, backward = Phase.FORWARD, Phase.BACKWARD
     for name, ph in phase.items():
-        if ph is Phase.FORWARD:
-            if not any(phase.get(s) is Phase.FORWARD for s in graph._succ[name]):
-                program.add_effect(name, BACKWARD, "phase")
-        elif not any(phase.get(p) is Phase.BACKWARD for p in graph._pred[name]):
-            program.add_effect(BACKWARD, name, "phase")
+        if ph is forward:
+            for s in succ[name]:
+                if get(s) is forward:
+                    break
+            else:
+                add_effect(name, BACKWARD, "phase")
+        else:
+            for p in pred[name]:
+                if get(p) is backward:
+                    break
+            else:
+                add_effect(BACKWARD, name, "phase")
 
 
 def _boundary_edges(program: Program, order: list[str], ops: dict[str, Op]) -> None:
     graph = program.graph
-    outputs = [n for n in order if isinstance(ops[n], Output)]
-    inputs = [n for n in order if isinstance(ops[n], Input)]
+    add_effect = program.add_effect
+    outputs, inputs = [], []
+    for name in order:
+        op = ops[name]
+        if isinstance(op, Output):
+            outputs.append(name)
+        elif isinstance(op, Input):
+            inputs.append(name)
     for before, after in zip(inputs, inputs[1:]):  # the raised function keeps its signature
-        program.add_effect(before, after, "entry")
+        add_effect(before, after, "entry")
     if inputs:
-        program.add_effect(inputs[-1], ENTRY, "entry")
+        add_effect(inputs[-1], ENTRY, "entry")
+    input_names = set(inputs)
+    succ, pred = graph._succ, graph._pred
     for name in order:
         op = ops[name]
         if isinstance(op, Input) or name == ENTRY:
             continue
-        if all(isinstance(ops[p], Input) for p in graph._pred[name]):
-            program.add_effect(ENTRY, name, "entry")
-        if not isinstance(op, Output):
-            for out in outputs:
-                if not graph._succ[name]:
-                    program.add_effect(name, out, "output")
+        for p in pred[name]:  # nothing but inputs before it: after ^entry
+            if p not in input_names:
+                break
+        else:
+            add_effect(ENTRY, name, "entry")
+        # an op nothing follows precedes the output (once it does, it has a successor: so the
+        # first output only)
+        if outputs and not isinstance(op, Output) and not succ[name]:
+            add_effect(name, outputs[0], "output")

@@ -7,6 +7,7 @@ ordering rule is an edge (see ir/effects.py), and passes only ever reorder the s
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
+from itertools import filterfalse
 from typing import Any
 
 import attrs
@@ -63,18 +64,30 @@ class Schedule:
         moving = set(names)
         if target in moving:
             raise ValueError(f"cannot move %{target} before itself")
-        spots = sorted(self._pos[n] for n in names)
-        lo = min(spots[0], self._pos[target])
-        hi = max(spots[-1] + 1, self._pos[target])
-        window = [n for n in self._order[lo:hi] if n not in moving]
-        if self._pos[target] < hi:
-            at = window.index(target)
-            window[at:at] = names
-        else:  # target is just past the window: the moved nodes end it
-            window.extend(names)
-        self._order[lo:hi] = window
-        for offset, name in enumerate(window, lo):
-            self._pos[name] = offset
+        order, pos = self._order, self._pos
+        to = pos[target]
+        # the window is rebuilt from slices and re-indexed by dict.update, all in C: passes move
+        # nodes hundreds of places, and a Python loop per node passed over was most of their time
+        if len(names) == 1:  # one node (a wait, a view): the nodes in between shift by one
+            at = pos[names[0]]
+            lo, hi = (at, to) if at < to else (to, at + 1)
+            window = [*order[at + 1:to], *names] if at < to else [*names, *order[to:at]]
+        else:
+            spots = sorted(map(pos.__getitem__, names))
+            lo, hi = min(spots[0], to), max(spots[-1] + 1, to)
+            window = list(filterfalse(moving.__contains__, order[lo:hi]))
+            if to < hi:
+                at = window.index(target)
+                window[at:at] = names
+            else:  # target is just past the window: the moved nodes end it
+                window.extend(names)
+        order[lo:hi] = window
+        pos.update(zip(window, range(lo, hi)))
+
+
+# networkx >= 3.3 caches derived views on the graph; writing its adjacency dicts directly must
+# drop them, as its own add_node / add_edge do (older releases have no cache)
+_clear_cache = getattr(nx, "_clear_cache", lambda graph: None)
 
 
 @attrs.define(eq=False)
@@ -94,20 +107,42 @@ class Program:
     # ---- construction -------------------------------------------------------------
     def add(self, op: Op) -> Op:
         """Add an op with data edges from its operands (which must exist already)."""
-        if op.name in self.graph:
-            raise ValueError(f"duplicate op name %{op.name}")
-        self.graph.add_node(op.name, op=op)
-        for operand in op.operands:
-            if operand not in self.graph:
-                raise ValueError(f"%{op.name} uses %{operand}, which is not defined")
-            self.graph.add_edge(operand, op.name, kind=DATA)
+        self.add_all((op,))
         return op
+
+    def add_all(self, ops: Iterable[Op]) -> None:
+        """`add` each op in turn."""
+        # What graph.add_node and graph.add_edge do, on networkx's adjacency dicts directly:
+        # lowering adds every node and most edges here, and their general-purpose argument
+        # handling was a third of the cost. Same dicts, filled in the same order.
+        graph = self.graph
+        succ, pred, node = graph._succ, graph._pred, graph._node
+        try:
+            for op in ops:
+                name = op.name
+                if name in succ:
+                    raise ValueError(f"duplicate op name %{name}")
+                succ[name] = {}
+                into = pred[name] = {}
+                node[name] = {"op": op}
+                for operand in op.operands:
+                    if operand not in succ:
+                        raise ValueError(f"%{name} uses %{operand}, which is not defined")
+                    succ[operand][name] = into[operand] = {"kind": DATA}
+        finally:
+            _clear_cache(graph)
 
     def add_effect(self, before: str, after: str, why: str) -> None:
         """Order `before` ahead of `after`; a data edge already orders them."""
-        if before == after or self.graph.has_edge(before, after):
+        graph = self.graph
+        succ = graph._succ
+        if before == after or (before in succ and after in succ[before]):
             return
-        self.graph.add_edge(before, after, kind=EFFECT, why=why)
+        if before in succ and after in succ:  # graph.add_edge, directly (as in `add`)
+            succ[before][after] = graph._pred[after][before] = {"kind": EFFECT, "why": why}
+            _clear_cache(graph)
+        else:  # let networkx add the missing node(s) as it always has
+            graph.add_edge(before, after, kind=EFFECT, why=why)
 
     # ---- access -------------------------------------------------------------------
     def op(self, name: str) -> Op:

@@ -7,6 +7,7 @@ gather stays where it is, or the node becomes a barrier) recorded in `program.no
 from __future__ import annotations
 
 import operator
+from typing import Any, NamedTuple
 
 import torch
 from torch import fx
@@ -29,7 +30,10 @@ class LoweringError(ValueError):
 
 
 def target_name(node: fx.Node) -> str:
-    target = node.target
+    return _target_name(node.target)
+
+
+def _target_name(target) -> str:
     if isinstance(target, str):
         return target
     if isinstance(target, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
@@ -37,20 +41,6 @@ def target_name(node: fx.Node) -> str:
     module = getattr(target, "__module__", None) or ""
     name = getattr(target, "__qualname__", None) or getattr(target, "__name__", repr(target))
     return f"{module}.{name}" if module else name
-
-
-def _schema(node: fx.Node):
-    return getattr(node.target, "_schema", None) if node.op == "call_function" else None
-
-
-def _is_collective(node: fx.Node) -> bool:
-    schema = _schema(node)
-    return schema is not None and schema.name.split("::")[0] in COLLECTIVE_NAMESPACES
-
-
-def _is_wait(node: fx.Node) -> bool:
-    schema = _schema(node)
-    return schema is not None and _is_collective(node) and schema.name.endswith("::wait_tensor")
 
 
 def _packet_mutates(node: fx.Node) -> bool:
@@ -63,12 +53,60 @@ def _packet_mutates(node: fx.Node) -> bool:
                for name in target.overloads() for arg in getattr(target, name)._schema.arguments)
 
 
-def _is_view(node: fx.Node) -> bool:
-    if node.op == "call_function" and node.target is operator.getitem:
-        return True
-    schema = _schema(node)
-    return (schema is not None and not schema.is_mutable and bool(schema.returns)
-            and schema.returns[0].alias_info is not None and not schema.returns[0].alias_info.is_write)
+class _Target(NamedTuple):
+    """All that lowering asks of a node's `(op, target)` and not of its args or meta.
+
+    A graph has a few hundred distinct targets and tens of thousands of nodes, so `_classify`
+    works this out once per target: the schema reads and `str(OpOverload)` per node were a
+    large share of lowering.
+    """
+
+    name: str  # target_name
+    schema: Any  # the op's FunctionSchema (call_function only), else None
+    collective: bool  # a functional collective (launch or wait)
+    wait: bool  # a functional collective's wait_tensor
+    all_gather: bool  # a functional all_gather_into_tensor
+    view: bool  # the result aliases the first operand (getitem, or a schema alias that is read only)
+    mutable: bool  # the schema mutates, or an in-place method by naming convention
+    packet: bool  # an OpOverloadPacket: whether it mutates depends on the call (_packet_mutates)
+    cast: bool
+    random: bool  # draws from the RNG
+    clone: bool  # aten.clone.default (a bucket's copy-out when tagged so)
+    heavy: bool
+    attention: bool
+    group_at: int | None  # position of the `group_name` argument, if the schema has one
+    group_size_at: int | None  # position of the (last) `group_size` argument
+
+
+def _classify(op: str, target) -> _Target:
+    name = _target_name(target)
+    call = op == "call_function"
+    schema = getattr(target, "_schema", None) if call else None
+    collective = schema is not None and schema.name.split("::")[0] in COLLECTIVE_NAMESPACES
+    view = (call and target is operator.getitem) or (
+        schema is not None and not schema.is_mutable and bool(schema.returns)
+        and schema.returns[0].alias_info is not None and not schema.returns[0].alias_info.is_write)
+    arguments = [a.name for a in schema.arguments] if schema is not None else []
+    attention = call and any(a in name for a in ATTENTION_NAMES)
+    return _Target(
+        name=name,
+        schema=schema,
+        collective=collective,
+        wait=collective and schema.name.endswith("::wait_tensor"),
+        all_gather=schema is not None and schema.name.endswith("::all_gather_into_tensor"),
+        view=view,
+        mutable=((schema is not None and schema.is_mutable)
+                 # an in-place method (`x.add_(y)`) by Python's naming convention
+                 or (op == "call_method" and str(target).endswith("_") and not str(target).startswith("_"))),
+        packet=call and isinstance(target, torch._ops.OpOverloadPacket),
+        cast=schema is not None and schema.name in CAST_OPS,
+        random=isinstance(target, torch._ops.OpOverload) and torch.Tag.nondeterministic_seeded in target.tags,
+        clone=call and target is torch.ops.aten.clone.default,
+        heavy=attention or (call and (name in HEAVY_OPS or name.rsplit(".", 1)[0] in HEAVY_OPS)),
+        attention=attention,
+        group_at=arguments.index("group_name") if "group_name" in arguments else None,
+        group_size_at=len(arguments) - 1 - arguments[::-1].index("group_size") if "group_size" in arguments else None,
+    )
 
 
 _DTYPES = {torch.float64: "f64", torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16",
@@ -79,24 +117,39 @@ for _name, _short in (("float8_e4m3fn", "f8e4m3"), ("float8_e5m2", "f8e5m2")):
         _DTYPES[getattr(torch, _name)] = _short
 
 
-def _type(value) -> TensorType:
+def _type(value, cache: dict | None = None) -> TensorType:
+    """The TensorType of one `meta["val"]` element. `cache` maps (dtype, shape) to the
+    TensorType already made for it: a graph has few distinct ones, and converting the shape
+    dim by dim was most of the cost. A symbolic shape is unhashable and is not cached."""
     if not isinstance(value, torch.Tensor):
         return TensorType("none")
-    shape = tuple(d if isinstance(d, int) else -1 for d in value.shape)
-    if value.dtype not in _DTYPES:  # a dtype the IR has no short name for: teach it the long one
-        _DTYPES[value.dtype] = str(value.dtype).removeprefix("torch.")
-        DTYPE_BYTES.setdefault(_DTYPES[value.dtype], value.dtype.itemsize)
-    return TensorType(_DTYPES[value.dtype], shape)
+    key = (value.dtype, value.shape)
+    if cache is not None:
+        try:
+            return cache[key]
+        except KeyError:
+            pass
+        except TypeError:  # a symbolic extent (SymInt) cannot be hashed
+            cache = None
+    dtype, shape = key
+    if dtype not in _DTYPES:  # a dtype the IR has no short name for: teach it the long one
+        _DTYPES[dtype] = str(dtype).removeprefix("torch.")
+        DTYPE_BYTES.setdefault(_DTYPES[dtype], dtype.itemsize)
+    result = TensorType(_DTYPES[dtype], tuple(d if isinstance(d, int) else -1 for d in shape))
+    if cache is not None:
+        cache[key] = result
+    return result
 
 
-def value_types(node: fx.Node) -> tuple[TensorType, ...]:
-    """The types of `meta["val"]` (a tensor, or a tuple/list of them); empty when absent."""
+def value_types(node: fx.Node, cache: dict | None = None) -> tuple[TensorType, ...]:
+    """The types of `meta["val"]` (a tensor, or a tuple/list of them); empty when absent.
+    `cache`: see `_type`."""
     value = node.meta.get("val")
     if value is None:
         return ()
     if isinstance(value, (tuple, list)):
-        return tuple(_type(v) for v in value)
-    return (_type(value),)
+        return tuple(_type(v, cache) for v in value)
+    return (_type(value, cache),)
 
 
 def _nbytes(node: fx.Node, notes: list[str]) -> int | None:
@@ -113,12 +166,26 @@ class _Lowering:
         self.notes: list[str] = []
         self.backward_seen = False
         self.late_forward = 0
-        # collectives whose result is not waited exactly once cannot be reasoned about
-        self.opaque_collectives = {
-            n for n in gm.graph.nodes
-            if _is_collective(n) and not _is_wait(n)
-            and (len(n.users) != 1 or not _is_wait(next(iter(n.users))))
-        }
+        # per-graph caches: (node.op, id(target)) -> _Target (by identity, so a target need not be
+        # hashable; the graph keeps every target alive), and (dtype, shape) -> TensorType
+        self.targets: dict[tuple[str, int], _Target] = {}
+        self.types: dict = {}
+
+    def target(self, node: fx.Node) -> _Target:
+        key = (node.op, id(node.target))
+        try:
+            return self.targets[key]
+        except KeyError:
+            found = self.targets[key] = _classify(node.op, node.target)
+            return found
+
+    def opaque(self, node: fx.Node) -> bool:
+        """A collective whose result is not waited exactly once: it cannot be reasoned about."""
+        if node.op != "call_function":
+            return False
+        info = self.target(node)
+        return info.collective and not info.wait and (
+            len(node.users) != 1 or not self.target(next(iter(node.users))).wait)
 
     def phase(self, node: fx.Node) -> Phase:
         if node.meta.get("autograd_backward"):
@@ -130,61 +197,55 @@ class _Lowering:
         return Phase.FORWARD
 
     def lower(self, node: fx.Node) -> Op:
-        base = {"name": node.name, "operands": tuple(n.name for n in node.all_input_nodes),
-                "types": value_types(node)}
-        if node.op == "placeholder":
+        kind = node.op
+        base = {"name": node.name, "operands": tuple([n.name for n in node.all_input_nodes]),
+                "types": value_types(node, self.types)}
+        if kind == "placeholder":
             return Input(target=str(node.target), **base)
-        if node.op == "output":
+        if kind == "output":
             base["types"] = ()
             return Output(**base)
         base["phase"] = self.phase(node)
-        if node.op == "get_attr":
+        if kind == "get_attr":
             return Constant(target=str(node.target), **base)
-        target = target_name(node)
+        info = self.target(node)
+        target = info.name
         meta = node.meta
         comm_type = meta.get("comm_type")
-        attention = node.op == "call_function" and any(a in target for a in ATTENTION_NAMES)
-        heavy = attention or (node.op == "call_function" and (target in HEAVY_OPS or target.rsplit(".", 1)[0] in HEAVY_OPS))
         if meta.get("barrier"):
-            return Barrier(target=target, reason="tagged barrier", heavy=heavy, attention=attention, **base)
-        if comm_type in GATHER_TAGS and _schema(node) is not None \
-                and _schema(node).name.endswith("::all_gather_into_tensor"):
+            return Barrier(target=target, reason="tagged barrier", heavy=info.heavy, attention=info.attention, **base)
+        if comm_type in GATHER_TAGS and info.all_gather:
             return self.gather(node, target, GATHER_TAGS[comm_type], base)
         if comm_type in FREE_TAGS:
             return self.free(node, target, base)
-        if _is_collective(node):
-            if node in self.opaque_collectives or any(a in self.opaque_collectives for a in node.all_input_nodes):
+        if info.collective:
+            if self.opaque(node) or any(self.opaque(a) for a in node.all_input_nodes):
                 self.notes.append(f"%{node.name}: collective not waited exactly once: kept as a barrier")
                 return Barrier(target=target, reason="collective not waited exactly once", **base)
-            if _is_wait(node):
+            if info.wait:
                 return Wait(target=target, **base)
             if comm_type in GATHER_TAGS:
                 self.notes.append(f"%{node.name}: comm_type={comm_type!r} on {target}: not a gather, kept in order")
             role = Role.REDUCE_SCATTER if comm_type == REDUCE_SCATTER_TAG else None
-            return Launch(target=target, group=_group(node), group_size=_group_size(node), role=role, **base)
+            return Launch(target=target, group=_group(node, info), group_size=_group_size(node, info), role=role,
+                          **base)
         if comm_type in GATHER_TAGS:
             self.notes.append(f"%{node.name}: comm_type={comm_type!r} on {target}, not a collective: ignored")
-        if node.op == "call_function" and node.target is torch.ops.aten.clone.default \
-                and meta.get("fsdp_bucket_copy_out") is not None:
+        if info.clone and meta.get("fsdp_bucket_copy_out") is not None:
             return CopyOut(target=target, bucket=str(meta["fsdp_bucket_copy_out"]), **base)
-        if _is_view(node):
+        if info.view:
             return View(target=target, **base)
-        schema = _schema(node)
-        mutates = ((schema is not None and schema.is_mutable) or _packet_mutates(node)
-                   # an in-place method (`x.add_(y)`) by Python's naming convention
-                   or (node.op == "call_method" and str(node.target).endswith("_")
-                       and not str(node.target).startswith("_")))
+        mutates = info.mutable or (info.packet and _packet_mutates(node))
         if node.is_impure(impure_random=False) or mutates:
-            return Barrier(target=target, reason="mutation" if mutates else "side effect", heavy=heavy,
-                           attention=attention, **base)
-        if schema is not None and schema.name in CAST_OPS:
+            return Barrier(target=target, reason="mutation" if mutates else "side effect", heavy=info.heavy,
+                           attention=info.attention, **base)
+        if info.cast:
             return Cast(target=target, **base)
-        random = isinstance(node.target, torch._ops.OpOverload) and torch.Tag.nondeterministic_seeded in node.target.tags
-        return Compute(target=target, heavy=heavy, attention=attention, random=random, **base)
+        return Compute(target=target, heavy=info.heavy, attention=info.attention, random=info.random, **base)
 
     def gather(self, node: fx.Node, target: str, role: Role, base: dict) -> Launch:
         users = list(node.users)
-        if len(users) != 1 or not _is_wait(users[0]):
+        if len(users) != 1 or not self.target(users[0]).wait:
             raise LoweringError(
                 f"FSDP gather %{node.name} ({node.meta['comm_type']}) must have exactly one user, a wait_tensor; "
                 f"it has {[u.name for u in users]}")
@@ -206,7 +267,8 @@ class _Lowering:
             else:
                 self.notes.append(f"%{node.name}: param_name={name!r} is not a name: not moved")
                 params, hold = (), "no parameter name"
-        return Launch(target=target, group=_group(node), group_size=_group_size(node), role=role,
+        info = self.target(node)
+        return Launch(target=target, group=_group(node, info), group_size=_group_size(node, info), role=role,
                       nbytes=_nbytes(node, self.notes),
                       params=params, bucket=bucket, hold=hold,
                       prefetched="fsdp_prefetch_anchor" in meta,  # moved by an earlier run
@@ -228,27 +290,24 @@ class _Lowering:
         return Free(target=target, params=params, **base)
 
 
-def _group(node: fx.Node) -> str | None:
-    schema = _schema(node)
-    if schema is None:
+def _group(node: fx.Node, info: _Target) -> str | None:
+    """The `group_name` argument of a functional collective, as a string; None when absent."""
+    if info.schema is None:
         return None
-    for arg, value in zip(schema.arguments, node.args):
-        if arg.name == "group_name":
-            return str(value)
+    if info.group_at is not None and info.group_at < len(node.args):
+        return str(node.args[info.group_at])
     value = node.kwargs.get("group_name")
     return None if value is None else str(value)
 
 
-def _group_size(node: fx.Node) -> int | None:
+def _group_size(node: fx.Node, info: _Target) -> int | None:
     """The `group_size` argument of a functional collective (all_gather_into_tensor,
     reduce_scatter_tensor, ...); None when the op has none or it is not a plain int."""
-    schema = _schema(node)
-    if schema is None:
+    if info.schema is None:
         return None
     value = node.kwargs.get("group_size")
-    for arg, given in zip(schema.arguments, node.args):
-        if arg.name == "group_size":
-            value = given
+    if info.group_size_at is not None and info.group_size_at < len(node.args):
+        value = node.args[info.group_size_at]
     return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
 
 
@@ -261,11 +320,10 @@ def lower(gm: fx.GraphModule) -> Program:
 def _lower(gm: fx.GraphModule) -> Program:
     lowering = _Lowering(gm)
     program = Program(origin=gm)
-    order = []
-    for node in gm.graph.nodes:
-        program.add(lowering.lower(node))
-        program.payload[node.name] = node
-        order.append(node.name)
+    nodes = list(gm.graph.nodes)
+    program.add_all([lowering.lower(node) for node in nodes])
+    program.payload.update({node.name: node for node in nodes})
+    order = [node.name for node in nodes]
     if lowering.late_forward:
         program.notes.append(f"{lowering.late_forward} untagged nodes after the first backward node: "
                              "treated as backward")
