@@ -147,7 +147,7 @@ def bytes_moved(op: Op, program: Program) -> int:
     """Bytes read and written: every operand's known tensor bytes (once each) plus the results'."""
     total = op.nbytes_out
     for operand in op.operands:
-        total += program.graph.nodes[operand]["op"].nbytes_out
+        total += program.op(operand).nbytes_out
     return total
 
 
@@ -298,9 +298,8 @@ def as_cost_model(spec: Any = None) -> CostModel:
 def op_costs(program: Program, model: Any = None) -> dict[str, float]:
     """{op name: ms} for every op of `program` (in schedule order)."""
     model = as_cost_model(model)
-    nodes = program.graph.nodes
     with gc_paused():
-        return {name: model.op_ms(nodes[name]["op"], program) for name in program.schedule}
+        return {name: model.op_ms(program.op(name), program) for name in program.schedule}
 
 
 @attrs.frozen

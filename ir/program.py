@@ -146,11 +146,13 @@ class Program:
 
     # ---- access -------------------------------------------------------------------
     def op(self, name: str) -> Op:
-        return self.graph.nodes[name]["op"]
+        # the raw node dict: networkx's `graph.nodes[...]` view costs more than the lookup,
+        # and passes ask for ops hundreds of thousands of times on a large graph
+        return self.graph._node[name]["op"]
 
     def ops(self) -> Iterator[Op]:
         """Ops in schedule order."""
-        nodes = self.graph.nodes
+        nodes = self.graph._node
         return (nodes[n]["op"] for n in self.schedule)
 
     def replace(self, op: Op) -> None:
