@@ -6,6 +6,9 @@ leave the program verified; the pass manager runs this between passes.
 
 from __future__ import annotations
 
+from itertools import compress, repeat
+from operator import attrgetter, is_, itemgetter, not_
+
 import networkx as nx
 
 from .effects import storage_readers, storage_root
@@ -60,13 +63,14 @@ def _structure(program: Program) -> list[str]:
             problems.append(f"%{name}: data edges {sorted(data_preds)} differ from operands {list(op.operands)}")
     if problems:
         return problems
-    for name, data in node.items():
-        op = data["op"]
+    ops = list(map(itemgetter("op"), node.values()))
+    # the rules below are for waits and launches only: pick them out in C, not node by node
+    for name, op in compress(zip(node, ops), map(isinstance, ops, repeat((Wait, Launch)))):
         if isinstance(op, Wait):
             launches = [p for p in op.operands if isinstance(node[p]["op"], Launch)]
             if len(op.operands) != 1 or len(launches) != 1:
                 problems.append(f"%{name}: a wait must have exactly one operand, a launch; has {list(op.operands)}")
-        elif isinstance(op, Launch):
+        else:  # a launch
             waits = [u for u, e in succ[name].items() if e["kind"] == DATA and isinstance(node[u]["op"], Wait)]
             if len(waits) != 1:
                 problems.append(f"%{name}: a launch must have exactly one wait; has {len(waits)}")
@@ -78,39 +82,79 @@ def _structure(program: Program) -> list[str]:
 
 
 def _schedule(program: Program) -> list[str]:
+    # This runs after every pass, and at 30k nodes its cost is memory traffic, not arithmetic:
+    # so one walk down the schedule checks every edge and every free against the set of nodes
+    # already passed (set operations, no table of positions), the phases are read in C (map,
+    # compress), and only a broken schedule pays for the loops that name each problem. What is
+    # checked is the same either way.
     graph = program.graph
-    node = graph._node
-    schedule = program.schedule
+    node, pred = graph._node, graph._pred
+    names = program.schedule.names()
+    try:
+        data = list(map(node.__getitem__, names))
+    except KeyError:  # a name that is no node
+        return [_not_a_permutation(names, node)]
+    if len(names) != len(node):
+        return [_not_a_permutation(names, node)]
+    ops = list(map(itemgetter("op"), data))
+    kinds = list(map(type, ops))
+    classes = set(kinds)
+    free_class = {k: issubclass(k, Free) for k in classes}
+    frees = {names[at]: ops[at] for at in compress(range(len(ops)), map(free_class.__getitem__, kinds))
+             if ops[at].operands}  # in schedule order
+
+    # edges forward: each node's predecessors were all passed before it; frees: every reader of
+    # the freed storage (through views) was passed before the free, save the free itself (it
+    # reads its operand) and other frees (freeing twice reads nothing)
+    passed: set[str] = set()
+    edges_forward = readers_first = True
+    for name, preds in zip(names, map(pred.__getitem__, names)):
+        if not passed.issuperset(preds):
+            edges_forward = False
+        if name in frees:
+            late = storage_readers(program, storage_root(program, frees[name].operands[0])).difference(passed)
+            late.discard(name)
+            if late and not all(isinstance(node[r]["op"], Free) for r in late):
+                readers_first = False
+        passed.add(name)
+    if len(passed) != len(names):  # a name repeated (so another is missing)
+        return [_not_a_permutation(names, node)]
+
     problems = []
-    names = schedule.names()
-    if len(names) != len(set(names)) or set(names) != set(node):
-        missing = sorted(set(node) - set(names))[:5]
-        extra = sorted(set(names) - set(node))[:5]
-        seen: set[str] = set()
-        repeated = sorted({n for n in names if n in seen or seen.add(n)})[:5]
-        return [f"schedule is not a permutation of the nodes: missing {missing}, unknown {extra}, repeated {repeated}"]
-    pos = {n: i for i, n in enumerate(names)}
-    for u, nbrs in graph._succ.items():
-        at = pos[u]
-        for v, e in nbrs.items():
-            if at >= pos[v]:
-                rule = "a data edge" if e["kind"] == DATA else f"an effect edge ({e['why']})"
-                problems.append(f"%{v}: scheduled before %{u}, which it must follow by {rule}")
-    seen_backward = None
-    frees = []
-    for name in names:
-        op = node[name]["op"]
-        if isinstance(op, (Input, Marker, Output)):
-            continue
-        if isinstance(op, Free) and op.operands:
-            frees.append(name)
-        if op.phase is Phase.BACKWARD:
-            seen_backward = seen_backward or name
-        elif seen_backward is not None:
-            problems.append(f"%{name}: forward op scheduled after backward op %{seen_backward} (phases out of order)")
-    for name in frees:
-        at = pos[name]
-        for reader in storage_readers(program, storage_root(program, node[name]["op"].operands[0])):
-            if reader != name and pos[reader] > at and not isinstance(node[reader]["op"], Free):
-                problems.append(f"%{reader}: reads storage freed by %{name} but is scheduled after it")
+    # positions, to name what is broken (a schedule that keeps every rule needs none)
+    pos = None if edges_forward and readers_first else dict(zip(names, range(len(names))))
+    if not edges_forward:
+        for u, nbrs in graph._succ.items():
+            at = pos[u]
+            for v, e in nbrs.items():
+                if at >= pos[v]:
+                    rule = "a data edge" if e["kind"] == DATA else f"an effect edge ({e['why']})"
+                    problems.append(f"%{v}: scheduled before %{u}, which it must follow by {rule}")
+
+    # phases: no forward op after the first backward one (inputs, markers and the output have
+    # no phase of their own); kinds are tested once per class, not once per op
+    phased_class = {k: not issubclass(k, (Input, Marker, Output)) for k in classes}
+    phased = list(compress(range(len(ops)), map(phased_class.__getitem__, kinds)))  # positions
+    backward = list(map(is_, map(attrgetter("phase"), map(ops.__getitem__, phased)), repeat(Phase.BACKWARD)))
+    if True in backward:
+        first = backward.index(True)
+        seen_backward = names[phased[first]]
+        for k in compress(range(first + 1, len(phased)), map(not_, backward[first + 1:])):
+            problems.append(f"%{names[phased[k]]}: forward op scheduled after backward op %{seen_backward} "
+                            "(phases out of order)")
+
+    if not readers_first:
+        for name, op in frees.items():
+            at = pos[name]
+            for reader in storage_readers(program, storage_root(program, op.operands[0])):
+                if reader != name and pos[reader] > at and not isinstance(node[reader]["op"], Free):
+                    problems.append(f"%{reader}: reads storage freed by %{name} but is scheduled after it")
     return problems
+
+
+def _not_a_permutation(names: list[str], node: dict) -> str:
+    missing = sorted(set(node) - set(names))[:5]
+    extra = sorted(set(names) - set(node))[:5]
+    seen: set[str] = set()
+    repeated = sorted({n for n in names if n in seen or seen.add(n)})[:5]
+    return f"schedule is not a permutation of the nodes: missing {missing}, unknown {extra}, repeated {repeated}"

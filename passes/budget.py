@@ -8,6 +8,7 @@ gap/node slots of the starting order, so each check is O(log N).
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 
 import attrs
@@ -22,7 +23,11 @@ UNKNOWN_SIZE = "unknown size"
 
 
 class MaxTree:
-    """Range add, range max over [0, n) (bottom-up lazy segment tree)."""
+    """Range add, range max over [0, n) (bottom-up lazy segment tree).
+
+    The budgeted passes call it a few times per collective, so the walks are written out with
+    no method call per visited tree node (those calls cost more than the work they did).
+    """
 
     def __init__(self, n: int):
         self.n = max(1, n)
@@ -30,42 +35,50 @@ class MaxTree:
         self.t = [0] * (2 * self.n)
         self.d = [0] * self.n
 
-    def _apply(self, p: int, value: int) -> None:
-        self.t[p] += value
-        if p < self.n:
-            self.d[p] += value
-
     def _build(self, p: int) -> None:
+        """Recompute the ancestors of node p from their children, bottom up."""
         t, d = self.t, self.d
         while p > 1:
             p >>= 1
-            t[p] = max(t[2 * p], t[2 * p + 1]) + d[p]
+            a, b = t[2 * p], t[2 * p + 1]
+            t[p] = (a if a > b else b) + d[p]
 
     def _push(self, p: int) -> None:
+        """Hand the pending adds of node p's ancestors down, top down."""
+        t, d, n = self.t, self.d, self.n
         for s in range(self.h, 0, -1):
             i = p >> s
-            if i and self.d[i]:
-                self._apply(2 * i, self.d[i])
-                self._apply(2 * i + 1, self.d[i])
-                self.d[i] = 0
+            if i and d[i]:
+                value = d[i]
+                for child in (2 * i, 2 * i + 1):
+                    t[child] += value
+                    if child < n:
+                        d[child] += value
+                d[i] = 0
 
     def add(self, lo: int, hi: int, value: int) -> None:
-        lo += self.n
-        hi += self.n
+        t, d, n = self.t, self.d, self.n
+        lo += n
+        hi += n
         l0, r0 = lo, hi
         while lo < hi:
             if lo & 1:
-                self._apply(lo, value)
+                t[lo] += value
+                if lo < n:
+                    d[lo] += value
                 lo += 1
             if hi & 1:
                 hi -= 1
-                self._apply(hi, value)
+                t[hi] += value
+                if hi < n:
+                    d[hi] += value
             lo >>= 1
             hi >>= 1
         self._build(l0)
         self._build(r0 - 1)
 
     def max(self, lo: int, hi: int) -> int:
+        t = self.t
         lo += self.n
         hi += self.n
         self._push(lo)
@@ -73,41 +86,46 @@ class MaxTree:
         best = 0
         while lo < hi:
             if lo & 1:
-                best = max(best, self.t[lo])
+                if t[lo] > best:
+                    best = t[lo]
                 lo += 1
             if hi & 1:
                 hi -= 1
-                best = max(best, self.t[hi])
+                if t[hi] > best:
+                    best = t[hi]
             lo >>= 1
             hi >>= 1
         return best
 
 
 class _InFlight:
-    """Slots: 2i+1 is node i of the starting order (of nodes no chain moves), 2i the gap before it."""
+    """Slots: 2i+1 is node i of the starting order (of nodes no chain moves), 2i the gap before it.
+
+    Budget plans on a copy, so the program's schedule stays the starting order throughout: a
+    node's slot is read off its position there (less the chained nodes before it), and only
+    chained nodes, whose gap changes as they are placed, are kept in a table.
+    """
 
     def __init__(self, program: Program, analysis: GatherAnalysis, limit: int):
-        chains = {n for g in analysis.gathers for n in g.chain}
-        self.gap: dict[str, int] = {}
-        self.fixed: dict[str, int] = {}
-        pending = []
-        for name in program.schedule:
-            if name in chains:
-                pending.append(name)
-            else:
-                slot = 2 * len(self.fixed)
-                self.fixed[name] = slot + 1
-                for chained in pending:
-                    self.gap[chained] = slot
-                pending.clear()
-                self.gap[name] = slot
-        end = 2 * len(self.fixed)
-        for chained in pending:
-            self.gap[chained] = end
+        self.index = program.schedule.index
+        chained = {n for g in analysis.gathers for n in g.chain}
+        self.chained_at = sorted(map(self.index, chained))
+        # the k-th chained node, at position p, has p - k unchained nodes before it: it sits in
+        # the gap before the next of them (or in the last gap, after all of them)
+        self.gap: dict[str, int] = {program.schedule[p]: 2 * (p - k) for k, p in enumerate(self.chained_at)}
+        end = 2 * (len(program.schedule) - len(chained))
         self.tree = MaxTree(end + 1)
         self.limit = limit
         self.program = program
         self.live: dict[str, tuple[int, int]] = {}  # launch -> its span in the tree now
+
+    def _fixed(self, name: str) -> int:
+        """The slot of an unchained node."""
+        at = self.index(name)
+        return 2 * (at - bisect.bisect_left(self.chained_at, at)) + 1
+
+    def _gap(self, name: str) -> int:
+        return self.gap[name] if name in self.gap else self._fixed(name) - 1
 
     def keep(self, g: Gather) -> None:
         """Count a gather an earlier run moved as in flight where it is now."""
@@ -118,7 +136,8 @@ class _InFlight:
 
     def span(self, g: Gather, target: str) -> tuple[int, int]:
         # in flight from the gap its launch lands in until (not including) its first consumer
-        return self.gap[target], self.fixed.get(g.first_consumer, self.gap[g.first_consumer] + 1)
+        consumer = g.first_consumer
+        return self._gap(target), (self.gap[consumer] + 1 if consumer in self.gap else self._fixed(consumer))
 
     def admit(self, g: Gather, target: str) -> str | None:
         nbytes = self.program.op(g.launch).nbytes

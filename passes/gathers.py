@@ -6,6 +6,9 @@ they all preserve it (positions are read from the live schedule when needed).
 
 from __future__ import annotations
 
+from itertools import compress, repeat
+from operator import itemgetter
+
 import attrs
 
 from ..ir import DATA, Cast, CopyOut, Input, Launch, Phase, Program, View, Wait
@@ -38,13 +41,17 @@ class GatherAnalysis(Analysis):
 
     @classmethod
     def compute(cls, program: Program, ctx=None) -> GatherAnalysis:
+        # raw node and adjacency dicts, users unsorted: networkx's views and program.users' sort
+        # by position cost more than the walks themselves
+        node, succ = program.graph._node, program.graph._succ
         gathers, unconsumed = [], []
         pos = program.schedule.index
-        for name in program.schedule:
-            op = program.op(name)
-            if not (isinstance(op, Launch) and op.is_gather):
+        names = program.schedule.names()
+        ops = list(map(itemgetter("op"), map(node.__getitem__, names)))
+        for name, op in compress(zip(names, ops), map(isinstance, ops, repeat(Launch))):  # launches, picked in C
+            if not op.is_gather:
                 continue
-            waits = [u for u in program.users(name) if isinstance(program.op(u), Wait)]
+            waits = [u for u in _data_users(succ, name) if isinstance(node[u]["op"], Wait)]
             if len(waits) != 1:
                 continue
             realization, consumers = _realize(program, waits[0], op.bucket)
@@ -61,13 +68,19 @@ class GatherAnalysis(Analysis):
         return cls(tuple(gathers), tuple(unconsumed))
 
 
+def _data_users(succ: dict, name: str) -> list[str]:
+    """Data users of `name` in no particular order (program.users without its sort)."""
+    return [u for u, e in succ[name].items() if e["kind"] == DATA]
+
+
 def _realize(program: Program, wait: str, bucket: str | None) -> tuple[set[str], set[str]]:
     """The wait plus every view and own-bucket copy-out reachable from it; and their other users."""
+    node, succ = program.graph._node, program.graph._succ
     realization, consumers = {wait}, set()
     stack = [wait]
     while stack:
-        for user in program.users(stack.pop()):
-            op = program.op(user)
+        for user in _data_users(succ, stack.pop()):
+            op = node[user]["op"]
             if isinstance(op, View) or (isinstance(op, CopyOut) and bucket is not None and op.bucket == bucket):
                 if user not in realization:
                     realization.add(user)
@@ -79,21 +92,22 @@ def _realize(program: Program, wait: str, bucket: str | None) -> tuple[set[str],
 
 def launch_chain(program: Program, launch: Launch) -> list[str]:
     """A bucket's private pack DAG, or a lone cast of an input shard, plus the launch."""
+    node, succ = program.graph._node, program.graph._succ
     if launch.bucket is not None:
         chain = {launch.name}
         stack = list(launch.operands)
         while stack:
             name = stack.pop()
-            op = program.op(name)
+            op = node[name]["op"]
             if name in chain or not op.MOVABLE or op.EFFECT or isinstance(op, Input):
                 continue
-            if all(u in chain for u in program.graph.succ[name] if program.graph.edges[name, u]["kind"] == DATA):
+            if all(u in chain for u in _data_users(succ, name)):
                 chain.add(name)
                 stack.extend(op.operands)
         return list(chain)
     if launch.operands:
-        shard = program.op(launch.operands[0])
-        if (isinstance(shard, Cast) and shard.operands and len(program.users(shard.name)) == 1
-                and all(isinstance(program.op(o), Input) for o in shard.operands)):
+        shard = node[launch.operands[0]]["op"]
+        if (isinstance(shard, Cast) and shard.operands and len(_data_users(succ, shard.name)) == 1
+                and all(isinstance(node[o]["op"], Input) for o in shard.operands)):
             return [shard.name, launch.name]
     return [launch.name]

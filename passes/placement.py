@@ -19,18 +19,16 @@ def plan(program: Program, analysis: GatherAnalysis, schedule: Schedule,
          admit: Callable[[Gather, str], str | None] = lambda g, t: None
          ) -> Iterator[tuple[Gather, str | None, str | None]]:
     """Move anchored, unheld chains on `schedule`; yield (gather, target, reason it stayed)."""
-    graph = program.graph
+    node, pred = program.graph._node, program.graph._pred  # raw dicts: views cost more here
     pos = schedule.index
     for g in analysis.gathers:
-        op: Launch = program.op(g.launch)
+        op: Launch = node[g.launch]["op"]
         if op.anchor is None or op.hold is not None:
             continue
         chain = set(g.chain)
-        position = pos(op.anchor)
-        for name in g.chain:
-            for pred in graph.pred[name]:
-                if pred not in chain:
-                    position = max(position, pos(pred) + 1)
+        # just before the anchor, and after everything the chain reads or must follow
+        outside = [p for name in g.chain for p in pred[name] if p not in chain]
+        position = max(pos(op.anchor), max(map(pos, outside), default=-1) + 1)
         if position >= pos(g.chain[0]):
             yield g, None, NO_EARLIER_SLOT
             continue

@@ -8,8 +8,9 @@ edges) and of the realization node after it, so independent branches keep their 
 from __future__ import annotations
 
 import dataclasses
+from operator import itemgetter
 
-from ..ir import Program
+from ..ir import DATA, Program
 from .base import ModulePass, PassContext, PassResult, register_pass
 from .gathers import GatherAnalysis
 
@@ -32,16 +33,16 @@ def sink_in_order(program: Program, nodes: tuple[str, ...] | list[str]) -> int:
     successors and of the next node that was sunk; nodes nobody reads stay. Returns the count."""
     schedule = program.schedule
     pos = schedule.index
-    succ = program.graph.succ
+    succ = program.graph._succ  # the raw adjacency: networkx's views cost more than this loop
     sunk = 0
     after = None
     for name in reversed(nodes):
-        if not program.users(name):
+        nbrs = succ[name]
+        if DATA not in map(itemgetter("kind"), nbrs.values()):  # nobody reads it
             continue
-        bounds = list(succ[name])
-        if after is not None:
-            bounds.append(after)
-        target = min(bounds, key=pos)
+        target = min(nbrs, key=pos)
+        if after is not None and pos(after) < pos(target):
+            target = after
         if pos(target) > pos(name) + 1:
             schedule.move_before([name], target)
             sunk += 1
