@@ -58,7 +58,7 @@ class OrderGathers(ModulePass):
             ahead = _moved_ahead(run, urgent)
             newly = [(start[g.launch], pos(g.first_consumer), program.op(g.launch).nbytes)
                      for g in ahead if not program.op(g.launch).prefetched]
-            if not _admit(tree, newly, limit):
+            if newly and (limit == 0 or not _admit(tree, newly, limit)):  # 0: no early launch at all, as in budget
                 stats["over budget"] += 1
                 continue
             after = schedule[pos(run[-1].chain[-1]) + 1]

@@ -102,3 +102,11 @@ def test_a_reorder_that_would_go_over_the_budget_keeps_its_order():
     assert not any(program.op(a).prefetched for a in ("a1", "a2", "a3"))
     fits, _ = run(AFTER_BARRIER, f"order-gathers{{max-in-flight-gb={2000 / 2**30!r}}}")
     assert fits.schedule.names().index("a1") < fits.schedule.names().index("a3")
+
+
+def test_a_zero_budget_moves_nothing_ahead_not_even_an_empty_gather():
+    text = AFTER_BARRIER.replace("nbytes = 1000", "nbytes = 0")
+    program, result = run(text, "order-gathers{max-in-flight-gb=0.0}")
+    assert not any(program.op(a).prefetched for a in ("a1", "a2", "a3"))
+    (stats,) = result.stats().values()
+    assert stats["over budget"] == 1 and stats["reordered"] == 0

@@ -56,9 +56,11 @@ def test_schedule_is_legal_and_moves_gathers(scheduled, name, buckets, pipeline)
     assert stats["prefetch"]["forward"] > 0 and stats["prefetch"]["backward"] > 0
     # every gather either moved or says why not
     assert all(op.prefetched or op.hold for op in gathers)
-    # the first forward gather has nothing earlier to hide behind: it stays, and says why
+    # the first forward gather has nothing earlier to hide behind, and says why; the reference
+    # leaves it where it is, the default's order-gathers may launch it ahead of gathers needed later
     reasons = {"reference": ("first group", "no earlier legal slot"), "default": ("cannot be hidden",)}
-    assert not gathers[0].prefetched and gathers[0].hold in reasons[pipeline]
+    assert gathers[0].hold in reasons[pipeline]
+    assert pipeline == "default" or not gathers[0].prefetched
     # the node set is unchanged: only the order differs
     before = {n.name for n in front.gm.graph.nodes}
     assert {n.name for n in done.graph_module.graph.nodes} == before
