@@ -6,12 +6,12 @@ from .ops import (OP_KINDS, REALIZATION_KINDS, Barrier, Cast, Compute, Constant,
 from .ops import DTYPE_BYTES
 from .program import DATA, EFFECT, Program, Schedule
 from .text import ParseError, parse_program, print_op, print_program
-from .verify import VerifyError, verify
+from .verify import VerifyError, verify, verify_moves
 
 __all__ = [
     "BACKWARD", "DATA", "EffectError", "EFFECT", "ENTRY", "OP_KINDS", "REALIZATION_KINDS", "Barrier", "Cast",
     "Compute", "Constant", "CopyOut", "Free", "Input", "Launch", "Marker", "Op", "Output", "ParseError",
     "Phase", "Program", "Role", "Schedule", "TensorType", "DTYPE_BYTES", "VerifyError", "View", "Wait", "derive_effects",
     "irop", "parse_program", "print_op", "print_program", "storage_readers", "storage_root",
-    "verify",
+    "verify", "verify_moves",
 ]

@@ -26,11 +26,18 @@ class Schedule:
     nodes a short way costs the distance moved, not the size of the graph.
     """
 
-    __slots__ = ("_order", "_pos")
+    __slots__ = ("_order", "_pos", "_moved")
 
     def __init__(self, names: Iterable[str] = ()):
         self._order: list[str] = list(names)
         self._pos: dict[str, int] = {n: i for i, n in enumerate(self._order)}
+        self._moved: set[str] = set()
+
+    def take_moved(self) -> set[str]:
+        """The nodes `move_before` moved since the last call (then forgets them). A move keeps
+        the relative order of every other node, so only rules involving these can break."""
+        moved, self._moved = self._moved, set()
+        return moved
 
     def __len__(self) -> int:
         return len(self._order)
@@ -57,6 +64,7 @@ class Schedule:
         new = Schedule.__new__(Schedule)
         new._order = list(self._order)
         new._pos = dict(self._pos)
+        new._moved = set(self._moved)
         return new
 
     def move_before(self, names: list[str], target: str) -> None:
@@ -64,6 +72,7 @@ class Schedule:
         moving = set(names)
         if target in moving:
             raise ValueError(f"cannot move %{target} before itself")
+        self._moved |= moving
         order, pos = self._order, self._pos
         to = pos[target]
         # the window is rebuilt from slices and re-indexed by dict.update, all in C: passes move

@@ -128,8 +128,7 @@ def _schedule(program: Program) -> list[str]:
             at = pos[u]
             for v, e in nbrs.items():
                 if at >= pos[v]:
-                    rule = "a data edge" if e["kind"] == DATA else f"an effect edge ({e['why']})"
-                    problems.append(f"%{v}: scheduled before %{u}, which it must follow by {rule}")
+                    problems.append(_broken(u, v, e))
 
     # phases: no forward op after the first backward one (inputs, markers and the output have
     # no phase of their own); kinds are tested once per class, not once per op
@@ -158,3 +157,32 @@ def _not_a_permutation(names: list[str], node: dict) -> str:
     seen: set[str] = set()
     repeated = sorted({n for n in names if n in seen or seen.add(n)})[:5]
     return f"schedule is not a permutation of the nodes: missing {missing}, unknown {extra}, repeated {repeated}"
+
+
+def verify_moves(program: Program, moved: set[str]) -> None:
+    """Raise VerifyError for every edge at a node in `moved` that the schedule breaks.
+
+    For a schedule that was verified and then changed only by `Schedule.move_before` (which keeps
+    the relative order of every node it did not move) on an unchanged graph: an edge between two
+    unmoved nodes still points forward, so these edges are the only ones to check. Phases and
+    frees are kept by edges too (ir/effects.py), so the edges carry every rule; a full `verify`
+    at the end of a pipeline checks them independently.
+    """
+    graph = program.graph
+    pos = program.schedule.index
+    problems = []
+    for name in sorted(moved, key=pos):
+        at = pos(name)
+        for u, e in graph._pred[name].items():
+            if pos(u) >= at:
+                problems.append(_broken(u, name, e))
+        for v, e in graph._succ[name].items():
+            if v not in moved and at >= pos(v):  # a moved successor reports it itself
+                problems.append(_broken(name, v, e))
+    if problems:
+        raise VerifyError(problems)
+
+
+def _broken(u: str, v: str, e: dict) -> str:
+    rule = "a data edge" if e["kind"] == DATA else f"an effect edge ({e['why']})"
+    return f"%{v}: scheduled before %{u}, which it must follow by {rule}"

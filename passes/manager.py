@@ -15,7 +15,7 @@ from typing import IO
 
 import attrs
 
-from ..ir import Program, print_program, verify
+from ..ir import Program, print_program, verify, verify_moves
 from .pipelines import PIPELINES
 from .base import PASSES, ModulePass, PassContext, PassResult, _format
 
@@ -182,10 +182,12 @@ class PassManager:
         if self.verify_each:  # an invalid input is the input's fault: say so before a pass trips on it
             verify(program)
         results = []
+        moves_only: list[int] = []  # passes since the last full check, checked at the moved nodes only
         for i, p in enumerate(self.passes):
             for inst in self.instruments:
                 inst.before(p, program)
-            size = _size(program)
+            size, schedule = _size(program), program.schedule
+            schedule.take_moved()
             try:
                 result = p.apply(ctx, program)
             except Exception as exc:
@@ -193,12 +195,25 @@ class PassManager:
             ctx.keep_only(p.preserves)
             if self.verify_each:
                 try:
-                    # a reordering pass leaves the structure as verified: check the order only,
-                    # unless the node or edge count shows it did more than it said
-                    verify(program, structure=not p.reorders_only or size != _size(program))
+                    if p.reorders_only and size == _size(program) and program.schedule is schedule:
+                        # it only moved nodes on the verified order: the rules at what it moved
+                        # are the only ones it can have broken
+                        verify_moves(program, schedule.take_moved())
+                        moves_only.append(i)
+                    else:  # it says, or its node/edge counts or a new schedule show, it did more
+                        verify(program, structure=not p.reorders_only or size != _size(program))
+                        moves_only = []
                 except ValueError as exc:
                     raise PassFailure(p, self.passes[:i], exc, "left an invalid program") from exc
             for inst in self.instruments:
                 inst.after(p, program, result)
             results.append((p, result))
+        if moves_only:  # the whole order once more, against every rule
+            try:
+                verify(program, structure=False)
+            except ValueError as exc:
+                last = moves_only[-1]
+                names = ",".join(str(self.passes[j]) for j in moves_only)
+                raise PassFailure(self.passes[last], self.passes[:last], exc,
+                                  f"(or one of {names}) left an invalid program") from exc
         return PipelineResult(results)

@@ -247,6 +247,45 @@ def test_verify_after_each_pass_can_be_turned_off(extra_passes):
         PassManager("test-swap").run(parse_program(PROGRAM))
 
 
+def test_a_reordering_pass_is_checked_at_what_it_moved(extra_passes):
+    @extra_passes
+    @dataclasses.dataclass(frozen=True)
+    class Hoist(ModulePass):
+        """Says it only reorders, and moves m1 above the wait it reads."""
+        name = "test-hoist"
+        reorders_only = True
+
+        def apply(self, ctx, program):
+            program.schedule.move_before(["m1"], "t1")
+            return PassResult(True)
+
+    with pytest.raises(PassFailure) as info:
+        PassManager("sink,test-hoist,sink").run(parse_program(PROGRAM))
+    assert "pass 'test-hoist' left an invalid program" in str(info.value)
+    assert "%m1: scheduled before %t1, which it must follow by a data edge" in str(info.value)
+
+
+def test_a_reordering_pass_that_rewires_the_graph_is_caught_at_the_end(extra_passes):
+    @extra_passes
+    @dataclasses.dataclass(frozen=True)
+    class Rewire(ModulePass):
+        """Says it only reorders, moves nothing, and turns an effect edge between unmoved nodes
+        around (same node and edge counts): only the full check at the pipeline's end sees it."""
+        name = "test-rewire"
+        reorders_only = True
+
+        def apply(self, ctx, program):
+            u, v, e = next((u, v, e) for u, v, e in program.graph.edges(data=True) if e["kind"] == "effect")
+            program.graph.remove_edge(u, v)
+            program.graph.add_edge(v, u, **e)
+            return PassResult(True)
+
+    with pytest.raises(PassFailure) as info:
+        PassManager("test-rewire,sink").run(parse_program(PROGRAM))
+    assert "(or one of test-rewire,sink) left an invalid program" in str(info.value)
+    assert isinstance(info.value.cause, VerifyError)
+
+
 # ---- instruments --------------------------------------------------------------------------------
 
 def test_timing_records_every_pass():
