@@ -2,11 +2,13 @@
 
 Each reduce-scatter launches as soon as its gradient is ready: the launch, with the views that
 feed only it, rises to just after its latest predecessor (its gradient's producer, or the
-reduce-scatter before it: they keep their order). Then each reduce-scatter's views (a bucket's per-parameter slices) sink to their uses, then its
+reduce-scatter before it: they keep their order; `hoist=false` leaves launches where they are).
+Then each reduce-scatter's views (a bucket's per-parameter slices) sink to their uses, and its
 wait moves down to just before its earliest successor (its users, or the barrier, free or
-output that bounds it through an effect edge), so the compute between launch and wait hides it. Gradient bytes kept alive by a delayed wait are in flight from the
-launch to the wait; reduce-scatters are admitted in launch order while the in-flight total
-stays within `max-in-flight-gb`; the others keep their wait where it was.
+output that bounds it through an effect edge), so the compute between launch and wait hides it.
+Gradient bytes kept alive by a delayed wait are in flight from the launch to the wait;
+reduce-scatters are admitted in launch order while the in-flight total stays within
+`max-in-flight-gb`; the others keep their wait where it was.
 """
 
 from __future__ import annotations
