@@ -86,8 +86,9 @@ def test_every_built_in_model_is_covered():
 def run_ranks_once_more_on_a_crash(*args, **kwargs):
     """run_ranks, rerun once if a rank died in native code (a signal, not an exception or a wrong
     result). Rarely, under load, a rank has aborted inside a gloo collective with glibc's
-    "malloc(): unaligned tcache chunk detected" (3 times in ~40 runs of this file, on both sides
-    of the schedules under test); the faulthandler stack goes into the warning, so it stays seen."""
+    "malloc(): unaligned tcache chunk detected" (seen 3 times over two sessions, once before any
+    of the cost-guided passes existed); the faulthandler stack goes into the warning, so it stays
+    seen. The cause is not found yet."""
     try:
         return run_ranks(*args, **kwargs)
     except RankFailure as failure:
