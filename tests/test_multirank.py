@@ -85,10 +85,10 @@ def test_every_built_in_model_is_covered():
 
 def run_ranks_once_more_on_a_crash(*args, **kwargs):
     """run_ranks, rerun once if a rank died in native code (a signal, not an exception or a wrong
-    result). Rarely, under load, a rank has aborted inside a torch op of a scheduled graph with glibc's
-    "malloc(): unaligned tcache chunk detected" (seen 3 times: twice in an earlier session, once
-    in CI); the faulthandler stack goes into the warning, so it stays
-    seen. The cause is not found yet."""
+    result). Rarely, under load, a rank has aborted inside a torch op of a scheduled graph with
+    glibc's "malloc(): unaligned tcache chunk detected" (seen 3 times: twice in an earlier
+    session, once in CI); the faulthandler stack goes into the warning, so it stays seen. The
+    cause is not found yet."""
     try:
         return run_ranks(*args, **kwargs)
     except RankFailure as failure:
