@@ -12,6 +12,28 @@ from fxsched.ir import parse_program
 from fxsched.passes import PassManager
 
 
+# three gathers after a barrier, launched in the order the graph emitted them (shared by the
+# determinism and property tests)
+STACK_AFTER_A_BARRIER = """\
+%x = input
+%s0 = input
+%s1 = input
+%s2 = input
+%b = barrier "aten.copy_"(%x)
+%m0 = compute "aten.mm"(%x, %x) {heavy}
+%g1 = launch "ag"(%s1) {role = fsdp_all_gather, nbytes = 512, params = ["p1"]}
+%w1 = wait(%g1)
+%m1 = compute "aten.mm"(%m0, %w1) {heavy}
+%g2 = launch "ag"(%s2) {role = fsdp_all_gather, nbytes = 512, params = ["p2"]}
+%w2 = wait(%g2)
+%m2 = compute "aten.mm"(%m1, %w2) {heavy}
+%g0 = launch "ag"(%s0) {role = fsdp_all_gather, nbytes = 512, params = ["p0"]}
+%w0 = wait(%g0)
+%m3 = compute "aten.mm"(%m2, %w0) {heavy}
+%output = output(%m3)
+"""
+
+
 def dedent(text: str) -> str:
     return textwrap.dedent(text).lstrip("\n")
 

@@ -29,6 +29,8 @@ from fxsched.runtime import run_ranks
 from fxsched.runtime.agreement import (ScheduleMismatch, check_ranks_agree, collective_entries, compare_entries,
                                        describe, fingerprint)
 
+from irtest import STACK_AFTER_A_BARRIER
+
 ROOT = Path(__file__).resolve().parent.parent
 
 PIPELINES = [
@@ -72,24 +74,7 @@ SCRIPT = textwrap.dedent(r'''
     print(json.dumps(out))
 ''')
 
-IR_TEXT = textwrap.dedent("""\
-    %x = input
-    %s0 = input
-    %s1 = input
-    %s2 = input
-    %b = barrier "aten.copy_"(%x)
-    %m0 = compute "aten.mm"(%x, %x) {heavy}
-    %g1 = launch "ag"(%s1) {role = fsdp_all_gather, nbytes = 512, params = ["p1"]}
-    %w1 = wait(%g1)
-    %m1 = compute "aten.mm"(%m0, %w1) {heavy}
-    %g2 = launch "ag"(%s2) {role = fsdp_all_gather, nbytes = 512, params = ["p2"]}
-    %w2 = wait(%g2)
-    %m2 = compute "aten.mm"(%m1, %w2) {heavy}
-    %g0 = launch "ag"(%s0) {role = fsdp_all_gather, nbytes = 512, params = ["p0"]}
-    %w0 = wait(%g0)
-    %m3 = compute "aten.mm"(%m2, %w0) {heavy}
-    %output = output(%m3)
-""")
+IR_TEXT = STACK_AFTER_A_BARRIER
 
 
 def test_same_schedule_under_different_hash_seeds():

@@ -41,6 +41,8 @@ from fxsched.ir import (Barrier, Compute, CopyOut, Free, Input, Launch, Marker, 
                         parse_program, print_program, verify)
 from fxsched.passes import DEFAULT_PIPELINE, REFERENCE_PIPELINE, PassManager
 
+from irtest import STACK_AFTER_A_BARRIER
+
 FUZZ = int(os.environ.get("FXSCHED_FUZZ_EXAMPLES", "0") or 0)
 FUZZ_GRAPHS = int(os.environ.get("FXSCHED_FUZZ_GRAPH_EXAMPLES", "0") or 0) or FUZZ
 
@@ -739,24 +741,7 @@ HAND_WRITTEN = {
         %mm = compute "aten.mm"(%x, %wt) {heavy}
         %output = output(%mm)
     """,
-    "stack after a barrier": """
-        %x = input
-        %s0 = input
-        %s1 = input
-        %s2 = input
-        %b = barrier "aten.copy_"(%x)
-        %m0 = compute "aten.mm"(%x, %x) {heavy}
-        %g1 = launch "ag"(%s1) {role = fsdp_all_gather, nbytes = 512, params = ["p1"]}
-        %w1 = wait(%g1)
-        %m1 = compute "aten.mm"(%m0, %w1) {heavy}
-        %g2 = launch "ag"(%s2) {role = fsdp_all_gather, nbytes = 512, params = ["p2"]}
-        %w2 = wait(%g2)
-        %m2 = compute "aten.mm"(%m1, %w2) {heavy}
-        %g0 = launch "ag"(%s0) {role = fsdp_all_gather, nbytes = 512, params = ["p0"]}
-        %w0 = wait(%g0)
-        %m3 = compute "aten.mm"(%m2, %w0) {heavy}
-        %output = output(%m3)
-    """,
+    "stack after a barrier": STACK_AFTER_A_BARRIER,
     "re-gather after its free, across the phases": """
         %x = input
         %s = input
