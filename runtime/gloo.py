@@ -25,12 +25,37 @@ import torch
 import torch.distributed as dist
 from torch import fx
 
-__all__ = ["RankFailure", "graph_group_names", "run_graph", "run_graph_single", "run_ranks"]
+__all__ = ["RankFailure", "graph_group_names", "init_gloo", "run_graph", "run_graph_single", "run_ranks"]
 
 _COLLECTIVE_NAMESPACE = "_c10d_functional"
 # Seconds allowed for spawning ranks and forming the group (importing torch on a busy
 # 2-core machine takes several seconds per process).
 STARTUP_TIMEOUT = 120.0
+
+
+# torch 2.13's gloo backend corrupts the heap (glibc "malloc(): unaligned tcache chunk", or a
+# SIGSEGV) when functional all-gathers (``_c10d_functional.all_gather_into_tensor``) run on
+# its two worker threads at once: two back-to-back launches before their waits crash most
+# runs of a few thousand rounds; with one worker thread, or ``dist.all_gather_into_tensor``'s
+# path, none did. Scheduled graphs keep several gathers in flight, so our groups get one
+# worker thread: collectives then run one at a time in issue order, which is also the
+# IR's model of a group (one communication stream).
+GLOO_BACKEND = "fxsched_gloo"
+
+
+def _one_thread_gloo(common: Any, _options: Any) -> Any:
+    options = dist.ProcessGroupGloo._Options()
+    options._threads = 1
+    options._timeout = common.timeout
+    options._devices = [dist.ProcessGroupGloo.create_default_device()]
+    return dist.ProcessGroupGloo(common.store, common.group_rank, common.group_size, options)
+
+
+def init_gloo(store: dist.Store, rank: int, world_size: int) -> None:
+    """``dist.init_process_group`` on gloo with one worker thread (see ``GLOO_BACKEND``)."""
+    if not hasattr(dist.Backend, GLOO_BACKEND.upper()):
+        dist.Backend.register_backend(GLOO_BACKEND, _one_thread_gloo, extended_api=True, devices=["cpu"])
+    dist.init_process_group(GLOO_BACKEND, store=store, rank=rank, world_size=world_size)
 
 
 class RankFailure(RuntimeError):
@@ -65,7 +90,7 @@ def _worker(rank: int, world_size: int, port: int, group_name: str | None, out_d
         with open(os.path.join(out_dir, "payload.pkl"), "rb") as f:
             fn, args = pickle.load(f)
         store = dist.TCPStore("127.0.0.1", port, world_size, is_master=False, timeout=timedelta(seconds=60))
-        dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size)
+        init_gloo(store, rank, world_size)
         _use_group_name(group_name)
         open(os.path.join(out_dir, f"rank{rank}.ready"), "w").close()
         result = fn(rank, world_size, *args)
@@ -80,9 +105,8 @@ def _worker(rank: int, world_size: int, port: int, group_name: str | None, out_d
         with open(os.path.join(out_dir, f"rank{rank}.err"), "w") as f:
             json.dump(record, f)
         os._exit(1)
-    # The result is on disk: leave without interpreter teardown. A rank once died of SIGSEGV
-    # with no traceback in a full-suite run (where it died was not found); skipping torch's and
-    # gloo's exit handlers at least takes teardown out of the picture.
+    # The result is on disk: leave without interpreter teardown (torch's and gloo's exit
+    # handlers cannot spoil a finished rank).
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
@@ -319,7 +343,7 @@ def run_graph_single(gm: fx.GraphModule, inputs: Sequence[torch.Tensor]) -> list
             raise RuntimeError(f"a process group of size {dist.get_world_size()} is already initialised")
         _use_group_name(group)
         return _call_graph(gm, inputs)
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    init_gloo(dist.HashStore(), 0, 1)
     try:
         _use_group_name(group)
         return _call_graph(gm, inputs)

@@ -25,7 +25,7 @@ from fxsched.front.generate import generate_graph
 from fxsched.ir import parse_program, print_program
 from fxsched.lowering import lower
 from fxsched.passes import DEFAULT_PIPELINE
-from fxsched.runtime import run_ranks
+from fxsched.runtime import init_gloo, run_ranks
 from fxsched.runtime.agreement import (ScheduleMismatch, check_ranks_agree, collective_entries, compare_entries,
                                        describe, fingerprint)
 
@@ -180,7 +180,7 @@ def test_check_ranks_agree_needs_a_process_group():
 
 def test_check_ranks_agree_on_one_rank_returns_the_fingerprint():
     gm = generate_graph(400, seed=2, layers=1)
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    init_gloo(dist.HashStore(), 0, 1)
     try:
         assert check_ranks_agree(gm) == fingerprint(gm)
     finally:

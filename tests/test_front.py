@@ -13,7 +13,7 @@ from torch import fx
 
 from fxsched.front import FrontResult, fsdp_free_storage, fsdp_joint_graph, shard_tensor, unshard_tensor
 from fxsched.front.fsdp import _alias_closure
-from fxsched.runtime import run_graph_single, run_ranks
+from fxsched.runtime import init_gloo, run_graph_single, run_ranks
 
 _GATHER = torch.ops._c10d_functional.all_gather_into_tensor.default
 _WAIT = torch.ops._c10d_functional.wait_tensor.default
@@ -423,7 +423,7 @@ def test_frees_release_storage():
 
     import torch.distributed as dist
 
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    init_gloo(dist.HashStore(), 0, 1)
     try:
         Watch(result.gm).run(*result.shard_inputs(module, 0, data))
     finally:

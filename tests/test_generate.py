@@ -16,6 +16,7 @@ from torch.fx.interpreter import Interpreter
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
 from fxsched.front.generate import generate_graph, min_nodes, release_storage
+from fxsched.runtime import init_gloo
 
 c10d = torch.ops._c10d_functional
 aten = torch.ops.aten
@@ -286,7 +287,7 @@ def one_rank_group(tmp_path_factory):
         yield dist.group.WORLD.group_name
         return
     store = dist.FileStore(str(tmp_path_factory.mktemp("gloo") / "store"), 1)
-    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    init_gloo(store, 0, 1)
     try:
         yield dist.group.WORLD.group_name
     finally:

@@ -9,8 +9,6 @@ would cost more: unpickling a traced GraphModule re-traces it.)
 
 from __future__ import annotations
 
-import warnings
-
 import pytest
 import torch
 from torch import fx
@@ -20,7 +18,7 @@ from fxsched.front import fsdp_joint_graph
 from fxsched.ir import verify
 from fxsched.models import MODELS, build_model
 from fxsched.passes import DEFAULT_PIPELINE, REFERENCE_PIPELINE
-from fxsched.runtime import RankFailure, run_ranks
+from fxsched.runtime import run_ranks
 from fxsched.runtime.agreement import check_ranks_agree
 
 WORLD = 2
@@ -83,24 +81,9 @@ def test_every_built_in_model_is_covered():
     assert set(MODEL_CASES) == set(MODELS)
 
 
-def run_ranks_once_more_on_a_crash(*args, **kwargs):
-    """run_ranks, rerun once if a rank died in native code (a signal, not an exception or a wrong
-    result). Rarely, under load, a rank has aborted inside a torch op of a scheduled graph with
-    glibc's "malloc(): unaligned tcache chunk detected" (seen 3 times: twice in an earlier
-    session, once in CI); the faulthandler stack goes into the warning, so it stays seen. The
-    cause is not found yet."""
-    try:
-        return run_ranks(*args, **kwargs)
-    except RankFailure as failure:
-        if failure.exitcode is None or failure.exitcode >= 0:
-            raise
-        warnings.warn(f"a rank crashed in native code, running once more: {failure}")
-        return run_ranks(*args, **kwargs)
-
-
 @pytest.mark.multirank
 def test_scheduled_models_are_bitwise_equal_on_two_ranks():
-    ranks = run_ranks_once_more_on_a_crash(_models_worker, WORLD, args=(MODEL_CASES, PIPELINES), timeout=600)
+    ranks = run_ranks(_models_worker, WORLD, args=(MODEL_CASES, PIPELINES), timeout=600)
     labels = [(r["model"], r["label"]) for r in ranks[0]]
     assert labels == [(r["model"], r["label"]) for r in ranks[1]]
     assert len(labels) == len(MODEL_CASES) * (len(PIPELINES) + 2)

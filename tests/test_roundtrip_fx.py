@@ -26,6 +26,7 @@ from torch.utils import _pytree as pytree
 from fxsched.ir import BACKWARD, ENTRY, Free, Input, Launch, Role, Schedule, verify
 from fxsched.lowering import lower
 from fxsched.raising import raise_program
+from fxsched.runtime.gloo import GLOO_BACKEND, init_gloo
 
 c10d = torch.ops._c10d_functional
 aten = torch.ops.aten
@@ -53,12 +54,12 @@ def free_unsharded(tensor: torch.Tensor) -> None:
 @pytest.fixture(scope="module")
 def group_name(tmp_path_factory):
     if dist.is_initialized():
-        if dist.get_backend() != "gloo" or dist.get_world_size() != 1:
+        if dist.get_backend() not in ("gloo", GLOO_BACKEND) or dist.get_world_size() != 1:
             pytest.skip("another test left a process group that is not a 1-rank gloo group")
         yield dist.group.WORLD.group_name
         return
     store = dist.FileStore(str(tmp_path_factory.mktemp("pg") / "store"), 1)
-    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    init_gloo(store, 0, 1)
     try:
         yield dist.group.WORLD.group_name
     finally:

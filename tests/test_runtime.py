@@ -19,7 +19,9 @@ _c10d = torch.ops._c10d_functional
 def _report(rank, world_size, scale):
     total = torch.tensor([float(rank + 1)])
     dist.all_reduce(total)
-    return {"rank": rank, "world_size": world_size, "total": total * scale, "threads": torch.get_num_threads()}
+    gloo = dist.group.WORLD._get_backend(torch.device("cpu"))
+    return {"rank": rank, "world_size": world_size, "total": total * scale, "threads": torch.get_num_threads(),
+            "gloo_threads": gloo.options._threads}
 
 
 def _raise_on_rank1(rank, world_size):
@@ -42,6 +44,21 @@ def _hang_on_rank1(rank, world_size):
     return rank
 
 
+def _gathers_in_flight(rank, world_size, rounds, depth):
+    """Launch ``depth`` functional all-gathers, compute, then wait for them all; ``rounds`` times."""
+    sizes = (16, 48, 544, 1024, 7)
+    shards = [torch.arange(n, dtype=torch.float32) + 1000 * rank for n in sizes]
+    wrong = 0
+    for _ in range(rounds):
+        launched = [_c10d.all_gather_into_tensor(shards[i % len(sizes)], world_size, "0") for i in range(depth)]
+        torch.randn(64, 64) @ torch.randn(64, 64)
+        for i, out in enumerate(launched):
+            n = sizes[i % len(sizes)]
+            expected = torch.cat([torch.arange(n, dtype=torch.float32) + 1000 * r for r in range(world_size)])
+            wrong += not torch.equal(_c10d.wait_tensor(out), expected)
+    return wrong
+
+
 def _gather_graph(world_size: int, group_name: str = "0"):
     def f(x):
         g = _c10d.wait_tensor(_c10d.all_gather_into_tensor(x, world_size, group_name))
@@ -57,6 +74,14 @@ def test_results_come_back_in_rank_order():
     assert all(r["world_size"] == 2 for r in results)
     assert all(torch.equal(r["total"], torch.tensor([30.0])) for r in results)
     assert all(r["threads"] == 1 for r in results)
+    assert all(r["gloo_threads"] == 1 for r in results)  # see test_ranks_keep_functional_all_gathers_in_flight
+
+
+@pytest.mark.multirank
+def test_ranks_keep_functional_all_gathers_in_flight():
+    # gloo's default two worker threads corrupt the heap here (init_gloo gives one); with two,
+    # this crashed a rank in most runs
+    assert run_ranks(_gathers_in_flight, 2, args=(1500, 4)) == [0, 0]
 
 
 @pytest.mark.multirank
