@@ -63,7 +63,7 @@ def classify(program: Program, sim: Simulation, costs: Mapping[str, float]) -> d
         ordered = not program.op(name).is_gather
         later = any(deadline[d] > deadline[name] and not (ordered and not program.op(d).is_gather)
                     for _, d in ahead)
-        chain = _launch_chain(program, name)
+        chain = program.private_feeders(name, (View, Cast))
         earliest = max((pos(p) + 1 for n in chain for p in program.graph.pred[n] if p not in chain), default=0)
         travelling = sum(costs.get(n, 0.0) for n in chain if earliest <= pos(n) < pos(name))
         late_launch = work[pos(name)] - work[earliest] - travelling > 1e-12
@@ -72,16 +72,6 @@ def classify(program: Program, sim: Simulation, costs: Mapping[str, float]) -> d
         out[name] = {"queued": queued, "queue": REORDERABLE if later else BUSY,
                      "rest": MOVABLE if late_launch or late_wait else AT_LIMIT}
     return out
-
-
-def _launch_chain(program: Program, launch: str) -> set[str]:
-    chain, stack = {launch}, [launch]
-    while stack:
-        for p in program.graph.pred[stack.pop()]:
-            if isinstance(program.op(p), (View, Cast)) and set(program.users(p)) <= chain:
-                chain.add(p)
-                stack.append(p)
-    return chain
 
 
 def _slack_after(program: Program, wait: str, work: list[float]) -> float:

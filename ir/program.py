@@ -178,6 +178,17 @@ class Program:
         users.sort(key=self.schedule.index)
         return users
 
+    def private_feeders(self, name: str, kinds: tuple[type, ...]) -> set[str]:
+        """`name` and the ops of `kinds` that feed only it, directly or through each other
+        (what travels with it when it moves: a launch's views or casts)."""
+        feeders, stack = {name}, [name]
+        while stack:
+            for p in self.graph.pred[stack.pop()]:
+                if p not in feeders and isinstance(self.op(p), kinds) and set(self.users(p)) <= feeders:
+                    feeders.add(p)
+                    stack.append(p)
+        return feeders
+
     def effect_edges(self) -> list[tuple[str, str, str]]:
         return [(u, v, e["why"]) for u, v, e in self.graph.edges(data=True) if e["kind"] == EFFECT]
 

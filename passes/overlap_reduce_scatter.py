@@ -76,14 +76,8 @@ def _hoist(program: Program, launch: str) -> bool:
     predecessor. Returns whether it moved."""
     schedule = program.schedule
     pred = program.graph.pred
-    chain, stack = [launch], [launch]
-    while stack:  # views read only by the chain travel with it
-        for p in pred[stack.pop()]:
-            if isinstance(program.op(p), View) and set(program.users(p)) <= set(chain):
-                chain.append(p)
-                stack.append(p)
-    chain.sort(key=schedule.index)
-    members = set(chain)
+    members = program.private_feeders(launch, (View,))
+    chain = sorted(members, key=schedule.index)
     at = max((schedule.index(p) for n in chain for p in pred[n] if p not in members), default=-1) + 1
     while chain and schedule.index(chain[0]) == at:  # already in place
         chain.pop(0)
