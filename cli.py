@@ -4,6 +4,7 @@
     fxsched schedule MODULE:FUNCTION      schedule the GraphModule FUNCTION() returns
     fxsched explain MODULE:FUNCTION       why each gather moved, or did not
     fxsched passes                        the passes, their options and defaults
+    fxsched opt FILE -p PIPELINE          run a pipeline on IR text (see opt.py)
 
 Exit codes: 0 ok; 1 a failed check or a pass failure; 2 bad arguments or input (unknown
 pass or option, a module that does not import, a function that does not return a
@@ -24,6 +25,8 @@ import os
 import sys
 import time
 import traceback
+
+from . import __version__
 
 EXIT_OK, EXIT_USAGE, EXIT_FAILED = 0, 2, 1
 LOG = logging.getLogger("fxsched.cli")
@@ -120,6 +123,18 @@ def load_function(spec: str):
     if not callable(fn):
         raise UsageError(f"{spec} is a {type(fn).__name__}, not a function")
     return fn
+
+
+def load_plugins(modules: list[str]) -> None:
+    """Import each `--load-pass-plugin` module (its `@register_pass` classes join PASSES)."""
+    from .passes.plugins import load_module
+
+    for spec in modules:
+        try:
+            load_module(spec)
+        except (Exception, SystemExit) as exc:
+            LOG.debug("plugin %s failed:\n%s", spec, traceback.format_exc())
+            raise UsageError(f"cannot load pass plugin {spec!r}: {type(exc).__name__}: {exc}") from exc
 
 
 def load_graph(spec: str):
@@ -221,7 +236,7 @@ def _cost():
     return cost if all(hasattr(cost, f) for f in needed) else None
 
 
-def _check_hardware(name: str) -> None:
+def check_hardware(name: str) -> None:
     cost = _cost()
     if cost is not None:
         try:
@@ -269,7 +284,7 @@ def _demo(args) -> int:
     from .ir import Launch
     from .models import build_model
 
-    _check_hardware(args.hardware)
+    check_hardware(args.hardware)
     progress = _progress(args)
     started = time.perf_counter()
     progress.stage(f"tracing {args.model} ({args.layers} layers)")
@@ -368,7 +383,7 @@ def _schedule_graph(args, progress: Progress, instruments=(), timing=False):
 def _schedule(args) -> int:
     from .passes import PrintIR
 
-    _check_hardware(args.hardware)
+    check_hardware(args.hardware)
     if args.trace and _cost() is None:
         raise UsageError("--trace: not available yet (fxsched.cost offers no schedule simulator)")
     progress = _progress(args)
@@ -421,7 +436,7 @@ def _schedule(args) -> int:
 
 
 def _explain(args) -> int:
-    _check_hardware(args.hardware)
+    check_hardware(args.hardware)
     progress = _progress(args)
     gm, done, structural = _schedule_graph(args, progress)
     before = {n.name: i for i, n in enumerate(gm.graph.nodes)}
@@ -437,10 +452,13 @@ def _explain(args) -> int:
 
 def _passes(args) -> int:
     from .passes import PASSES, PIPELINES
+    from .passes.plugins import load_entry_points
+
+    load_entry_points()
 
     for name in sorted(PASSES):
         cls = PASSES[name]
-        doc = (sys.modules[cls.__module__].__doc__ or "").strip().splitlines()[0]
+        doc = ((sys.modules[cls.__module__].__doc__ or cls.__doc__ or "").strip().splitlines() or [""])[0]
         print(f"{name}: {doc.split(': ', 1)[-1]}")
         for text_name, field in cls.options().items():
             print(f"    {text_name} (default {field.default!r})")
@@ -459,6 +477,9 @@ def build_parser() -> argparse.ArgumentParser:
     common.add_argument("-v", "--verbose", action="store_true", help="log fxsched.* at INFO on stderr")
     common.add_argument("--progress", action="store_true",
                         help="show stages and elapsed seconds on stderr (default: only when stderr is a terminal)")
+    common.add_argument("--load-pass-plugin", action="append", default=[], metavar="MODULE",
+                        help="import MODULE (a dotted name or a .py path) first: the passes it registers can "
+                             "be named in pipelines (repeatable)")
     pipeline = argparse.ArgumentParser(add_help=False)
     pipeline.add_argument("--pipeline", default="default",
                           help=f"passes as text, e.g. 'anchor{{forward-depth=2}},budget,prefetch,sink', or a "
@@ -476,6 +497,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     parser = argparse.ArgumentParser(prog="fxsched", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--version", action="version", version=f"fxsched {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     demo = sub.add_parser("demo", parents=[common, pipeline],
@@ -516,7 +538,40 @@ def build_parser() -> argparse.ArgumentParser:
 
     sub.add_parser("passes", parents=[common], help="list passes with their options and defaults").set_defaults(
         run=_passes)
+
+    opt = sub.add_parser("opt", parents=[common], help="run a pipeline on IR text and print the IR (as mlir-opt)")
+    opt.add_argument("input", nargs="?", default="-", metavar="FILE", help="IR text (default '-': stdin)")
+    opt.add_argument("-p", "--pipeline", "--passes", dest="pipeline", default="",
+                     help="pipeline text; named pipelines are items too, e.g. 'reference,overlap-reduce-scatter' "
+                          "(default: none, only parse, verify and print)")
+    opt.add_argument("-o", "--output", metavar="FILE", help="write the IR here (default '-': stdout)")
+    opt.add_argument("--split-input-file", action="store_true",
+                     help="treat each chunk between '// -----' lines as its own program; outputs joined the same way")
+    opt.add_argument("--verify-each", dest="verify", action="store_true", default=True,
+                     help="verify the input and the program after each pass (the default)")
+    opt.add_argument("--no-verify", dest="verify", action="store_false", help="verify nothing")
+    opt.add_argument("--verify-diagnostics", action="store_true",
+                     help="print errors on stdout and succeed only if there was one (to FileCheck error messages)")
+    opt.add_argument("--print-ir-before", action="store_true", help="print the IR before each pass (stderr)")
+    opt.add_argument("--print-ir-after", action="store_true", help="print the IR after each pass (stderr)")
+    opt.add_argument("--print-ir-after-change", action="store_true",
+                     help="print the IR after each pass that changed it (stderr)")
+    opt.add_argument("--timing", action="store_true", help="time each pass (stderr)")
+    opt.add_argument("--pass-statistics", action="store_true",
+                     help="after the IR, each pass's statistics as `// statistics PASS: key = value, ...` lines")
+    opt.add_argument("--hardware", default="h100", help="cost model profile for cost-guided passes: h100 (default), "
+                                                      "h200, 910b")
+    opt.add_argument("--reproducer", metavar="FILE",
+                     help="if a pass fails, write the IR before it and the rest of the pipeline as a .fxir "
+                          "file whose RUN line reproduces the failure")
+    opt.set_defaults(run=_opt)
     return parser
+
+
+def _opt(args) -> int:
+    from .opt import opt
+
+    return opt(args)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -527,20 +582,27 @@ def main(argv: list[str] | None = None) -> int:
         return int(exc.code or 0)
     from .logs import log_to
     from .passes import PassFailure, PipelineError
-    from .raising.fx import RaisingError
 
     with log_to(sys.stderr, logging.INFO) if args.verbose else contextlib.nullcontext():
         try:
+            load_plugins(args.load_pass_plugin)
             return args.run(args)
         except (UsageError, PipelineError) as exc:
             print(f"fxsched: {exc}", file=sys.stderr)
             return EXIT_USAGE
-        except (PassFailure, RaisingError) as exc:
+        except PassFailure as exc:
             print(f"fxsched: {exc}", file=sys.stderr)
             return EXIT_FAILED
         except OSError as exc:  # an output file that cannot be written
             print(f"fxsched: {exc}", file=sys.stderr)
             return EXIT_USAGE
+        except Exception as exc:
+            # raising's error, without importing raising (and torch) for commands that never raise
+            raising = sys.modules.get(f"{__package__}.raising.fx")
+            if raising is None or not isinstance(exc, raising.RaisingError):
+                raise
+            print(f"fxsched: {exc}", file=sys.stderr)
+            return EXIT_FAILED
 
 
 if __name__ == "__main__":

@@ -28,7 +28,7 @@ from .program import DATA, Program, Schedule
 
 class ParseError(ValueError):
     def __init__(self, message: str, line: int, column: int, text: str = ""):
-        self.line, self.column = line, column
+        self.message, self.line, self.column = message, line, column
         pointer = f"\n  {text}\n  {' ' * (column - 1)}^" if text else ""
         super().__init__(f"line {line}, column {column}: {message}{pointer}")
 

@@ -7,10 +7,11 @@ from .manager import (Instrument, PassFailure, PassManager, PipelineError, Pipel
                       Timing, make_pass, parse_pipeline, print_pipeline)
 
 from .pipelines import DEFAULT_PIPELINE, PIPELINES, REFERENCE_PIPELINE
+from .reproducer import reproducer_text
 
 __all__ = [
     "DEFAULT_PIPELINE", "PASSES", "PIPELINES", "REFERENCE_PIPELINE", "Analysis", "Gather", "GatherAnalysis", "Instrument",
     "ModulePass", "PassContext", "PassFailure", "PassManager", "PassResult", "PipelineError",
     "PipelineResult", "PrintIR", "Timing", "make_pass", "parse_pipeline", "print_pipeline",
-    "register_pass",
+    "register_pass", "reproducer_text",
 ]

@@ -18,6 +18,7 @@ import attrs
 from ..ir import Program, print_program, verify, verify_moves
 from .pipelines import PIPELINES
 from .base import PASSES, ModulePass, PassContext, PassResult, _format
+from .plugins import load_entry_points
 
 
 class PipelineError(ValueError):
@@ -25,10 +26,16 @@ class PipelineError(ValueError):
 
 
 class PassFailure(RuntimeError):
-    """A pass raised or left an invalid program; names it and the passes that ran before."""
+    """A pass raised or left an invalid program; names it and the passes that ran before.
 
-    def __init__(self, failed: ModulePass, before: list[ModulePass], cause: BaseException, where: str):
+    `remaining` is the pipeline from the failed pass on; when the manager keeps reproducers,
+    `ir_before` is the program's text before it (else None): together they rerun the failure
+    (`fxsched.passes.reproducer_text`)."""
+
+    def __init__(self, failed: ModulePass, before: list[ModulePass], cause: BaseException, where: str,
+                 ir_before: str | None = None, remaining: list[ModulePass] | None = None):
         self.failed, self.before, self.cause = failed, before, cause
+        self.ir_before, self.remaining = ir_before, list(remaining or [failed])
         ran = ",".join(str(p) for p in before) or "(none)"
         super().__init__(f"pass '{failed}' {where}: {type(cause).__name__}: {cause}\n  passes before it: {ran}")
 
@@ -37,7 +44,8 @@ _ITEM = re.compile(r"\s*([A-Za-z][\w-]*)\s*(?:\{([^{}]*)\})?\s*(,|$)")
 
 
 def parse_pipeline(text: str) -> list[ModulePass]:
-    """Parse pipeline text, or the name of a pipeline in PIPELINES (`reference`, `default`)."""
+    """Parse pipeline text; a name in PIPELINES (`reference`, `default`) stands for its passes,
+    alone or as an item (`reference,overlap-reduce-scatter`)."""
     passes = []
     at = 0
     text = PIPELINES.get(text.strip(), text.strip())
@@ -46,7 +54,10 @@ def parse_pipeline(text: str) -> list[ModulePass]:
         if not m:
             raise PipelineError(f"cannot parse pipeline at column {at + 1}: {text[at:]!r} "
                                 "(expected name or name{opt=value,...})")
-        passes.append(make_pass(m.group(1), m.group(2)))
+        if m.group(1) in PIPELINES and m.group(2) is None:  # a named pipeline as an item: `reference,my-pass`
+            passes.extend(parse_pipeline(PIPELINES[m.group(1)]))
+        else:
+            passes.append(make_pass(m.group(1), m.group(2)))
         at = m.end()
         if m.group(3) == "," and at >= len(text):
             raise PipelineError("pipeline ends with a comma")
@@ -55,6 +66,8 @@ def parse_pipeline(text: str) -> list[ModulePass]:
 
 def make_pass(name: str, options: str | None = None) -> ModulePass:
     cls = PASSES.get(name)
+    if cls is None and load_entry_points():  # an installed package's pass (fxsched.passes entry points)
+        cls = PASSES.get(name)
     if cls is None:
         raise PipelineError(f"unknown pass {name!r}; passes: {', '.join(sorted(PASSES))}")
     fields = cls.options()
@@ -169,9 +182,11 @@ def _size(program: Program) -> tuple[int, int]:
 
 class PassManager:
     def __init__(self, pipeline: str | list[ModulePass], *, verify_each: bool = True,
-                 instruments: list[Instrument] | None = None):
+                 instruments: list[Instrument] | None = None, reproducer: bool = False):
         self.passes = parse_pipeline(pipeline) if isinstance(pipeline, str) else list(pipeline)
         self.verify_each = verify_each
+        # keep the program's text before each pass, so a PassFailure can carry it (costs a print per pass)
+        self.reproducer = reproducer
         self.instruments = list(instruments or [])
 
     def __str__(self) -> str:
@@ -183,7 +198,18 @@ class PassManager:
             verify(program)
         results = []
         moves_only: list[int] = []  # passes since the last full check, checked at the moved nodes only
+        texts: dict[int, str] = {}  # with `reproducer`: the text before each pass since the last full check
+
+        def failure(i: int, exc: BaseException, where: str, failed: int | None = None) -> PassFailure:
+            last = i if failed is None else failed
+            return PassFailure(self.passes[last], self.passes[:last], exc, where, ir_before=texts.get(i),
+                               remaining=self.passes[i:])
+
         for i, p in enumerate(self.passes):
+            if self.reproducer:
+                if not moves_only:
+                    texts.clear()
+                texts[i] = print_program(program)
             for inst in self.instruments:
                 inst.before(p, program)
             size, schedule = _size(program), program.schedule
@@ -191,7 +217,7 @@ class PassManager:
             try:
                 result = p.apply(ctx, program)
             except Exception as exc:
-                raise PassFailure(p, self.passes[:i], exc, "failed") from exc
+                raise failure(i, exc, "failed") from exc
             ctx.keep_only(p.preserves)
             if self.verify_each:
                 try:
@@ -205,7 +231,7 @@ class PassManager:
                         verify(program, structure=not (p.reorders_only and same_size))
                         moves_only = []
                 except ValueError as exc:
-                    raise PassFailure(p, self.passes[:i], exc, "left an invalid program") from exc
+                    raise failure(i, exc, "left an invalid program") from exc
             for inst in self.instruments:
                 inst.after(p, program, result)
             results.append((p, result))
@@ -215,6 +241,6 @@ class PassManager:
             except ValueError as exc:
                 last = moves_only[-1]
                 names = ",".join(str(self.passes[j]) for j in moves_only)
-                raise PassFailure(self.passes[last], self.passes[:last], exc,
-                                  f"(or one of {names}) left an invalid program") from exc
+                # rerun from the first of them: the IR before it is the last one known valid
+                raise failure(moves_only[0], exc, f"(or one of {names}) left an invalid program", last) from exc
         return PipelineResult(results)

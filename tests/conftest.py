@@ -1,4 +1,5 @@
-"""Shared test setup: spawned ranks fill freed memory with a byte pattern."""
+"""Shared test setup: spawned ranks fill freed memory with a byte pattern; IR test files
+(tests/filecheck/**/*.fxir) are collected and run like lit runs them."""
 
 from __future__ import annotations
 
@@ -12,3 +13,33 @@ def _perturb_freed_memory_in_ranks(request, monkeypatch):
     # compares bitwise). Ranks are spawned: they take the variable from os.environ.
     if request.node.get_closest_marker("multirank"):
         monkeypatch.setenv("MALLOC_PERTURB_", "165")
+
+
+# ---- IR test files: tests/filecheck/**/*.fxir, run as lit runs them ----------------------
+
+def pytest_collect_file(file_path, parent):
+    if file_path.suffix == ".fxir":
+        return FxirFile.from_parent(parent, path=file_path)
+    return None
+
+
+class FxirFile(pytest.File):
+    def collect(self):
+        yield FxirItem.from_parent(self, name=self.path.name)
+
+
+class FxirItem(pytest.Item):
+    def runtest(self):
+        from filecheck_runner import run_file
+
+        run_file(str(self.path))
+
+    def repr_failure(self, excinfo):
+        from filecheck_runner import RunFailure
+
+        if isinstance(excinfo.value, RunFailure):
+            return str(excinfo.value)
+        return super().repr_failure(excinfo)
+
+    def reportinfo(self):
+        return self.path, 0, f"fxir: {self.name}"
