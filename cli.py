@@ -364,9 +364,9 @@ def _schedule_graph(args, progress: Progress, instruments=(), timing=False):
     LOG.info("%s: %d FX nodes", args.function, len(gm.graph.nodes))
     structural = None
     if args.structural:
-        from .lowering.structural import tag_fsdp_gathers
+        from .lowering.structural import tag_fsdp_collectives
 
-        structural = tag_fsdp_gathers(gm)
+        structural = tag_fsdp_collectives(gm)
         LOG.info("%s", structural)
     progress.stage(f"lowering {len(gm.graph.nodes)} FX nodes")
     try:
@@ -401,7 +401,8 @@ def _schedule(args) -> int:
     print(summary_line(report))
     if structural is not None:
         report = {**report, "structural": structural.as_dict()}
-        print(f"  structural: {len(structural.tagged)} gathers tagged, {len(structural.skipped)} not")
+        print(f"  structural: {len(structural.tagged)} gathers and {len(structural.reductions)} gradient "
+              f"reductions tagged, {len(structural.skipped)} not")
     elif not report["gathers"]:
         print("  no tagged FSDP gathers: nothing to schedule (untagged graph? try --structural)")
     sims = None
@@ -493,7 +494,8 @@ def build_parser() -> argparse.ArgumentParser:
                       help="a function of no arguments returning a torch.fx.GraphModule; MODULE is a dotted "
                            "name or a .py path")
     user.add_argument("--structural", action="store_true",
-                      help="first tag untagged FSDP gathers found structurally (torch.compile / SimpleFSDP graphs)")
+                      help="first tag untagged FSDP gathers and gradient reductions found structurally "
+                           "(torch.compile / SimpleFSDP / torchtitan graphs)")
 
     parser = argparse.ArgumentParser(prog="fxsched", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)

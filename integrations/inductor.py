@@ -13,7 +13,7 @@ the graph's `meta["val"]` filled and every call in the backward graph marked
 before partitioning, which rebuilds and reorders the backward graph (and decides what is
 recomputed there, re-gathers included), so a schedule made there would not survive.
 
-Each call: recognise untagged FSDP gathers (`lowering.structural`), then lower → run the
+Each call: recognise untagged FSDP gathers and gradient reductions (`lowering.structural`), then lower → run the
 pipeline → raise (via `fxsched.schedule`), and give the given `fx.Graph` the raised order in
 place (the same node objects, relinked; nothing Inductor holds is invalidated). Its `uuid()`
 hashes the pipeline text, the options, fxsched's version and its sources, so Inductor's FX
@@ -35,7 +35,7 @@ import torch
 from torch import fx
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
-from ..lowering.structural import tag_fsdp_gathers, untag_fsdp_gathers
+from ..lowering.structural import tag_fsdp_collectives, untag_fsdp_gathers
 from ..passes import DEFAULT_PIPELINE, PassManager
 
 __all__ = ["HOOK", "RECORDS", "FxschedInductorPass", "compile_options", "graph_phase", "schedule_graph_in_place"]
@@ -134,7 +134,8 @@ def _replace_contents(graph: fx.Graph, new: fx.Graph) -> None:
 def schedule_graph_in_place(graph: fx.Graph, pipeline: str = DEFAULT_PIPELINE, *, structural: bool = True,
                             phase: str | None = None, verify_each: bool = True,
                             cost_model: Any = None) -> dict[str, Any]:
-    """Tag untagged FSDP gathers (when `structural`), run `pipeline` on `graph` and give it the result in place.
+    """Tag untagged FSDP gathers and gradient reductions (when `structural`), run `pipeline` on `graph`
+    and give it the result in place.
 
     `phase` None reads each node's phase from its `meta["autograd_backward"]` as lowering does;
     "forward"/"backward" treats the whole graph as that phase (Inductor compiles the two apart).
@@ -148,7 +149,7 @@ def schedule_graph_in_place(graph: fx.Graph, pipeline: str = DEFAULT_PIPELINE, *
     owner = graph.owning_module
     if not isinstance(owner, fx.GraphModule):
         owner = fx.GraphModule(torch.nn.Module(), graph)
-    structural_result = tag_fsdp_gathers(graph, phase=phase) if structural else None
+    structural_result = tag_fsdp_collectives(graph, phase=phase) if structural else None
     try:
         with _uniform_phase(graph, phase):
             done = schedule(owner, pipeline, verify_each=verify_each, cost_model=cost_model)

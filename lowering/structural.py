@@ -1,7 +1,8 @@
-"""Recognise FSDP parameter gathers in graphs without HyperParallel tags, and tag them.
+"""Recognise FSDP collectives in graphs without HyperParallel tags, and tag them.
 
 FX → tagged FX (in place, on `node.meta` only; no node is added, removed or moved), so that
-`lower` sees the gathers of torch.compile / SimpleFSDP graphs as it sees tagged ones.
+`lower` sees the gathers and gradient reductions of torch.compile / SimpleFSDP / torchtitan
+graphs as it sees tagged ones.
 
 A gather is recognised structurally: a functional `all_gather_into_tensor` whose input traces
 back, through single-input casts and views, to a graph input (the parameter's shard), and
@@ -10,6 +11,18 @@ whose only user is a `wait_tensor`. It gets the tags of SPEC.md's input contract
 `param_name` (the graph input's name) and `fsdp_unsharded_nbytes` (from the gather's
 `meta["val"]`; left out when unknown, so the budget holds the gather). A gather that already
 has a `comm_type` is left as it is. Everything not recognised is listed with the reason.
+
+A gradient reduction is a functional `reduce_scatter_tensor` (FSDP) or `all_reduce` (DDP, and
+HSDP's replicate step) whose only user is its `wait_tensor` and whose waited result reaches
+nothing but the graph output: through single-input casts, views, layout copies and scalar
+arithmetic (a bf16 gradient cast to fp32, divided by the world size), or through another
+gradient reduction (HSDP's reduce-scatter then all-reduce). It is tagged
+`comm_type="fsdp_reduce_scatter"` (lowering gives it the role `overlap-reduce-scatter` acts on)
+and `fsdp_gradient_reduction` with its kind. Collectives of tensor parallelism act on
+activations: their results feed compute, or their inputs are computed, so they are neither
+gathers nor gradient reductions and keep their place in the collective order. `groups` limits
+recognition to the named process groups (a graph whose TP collectives touch graph inputs or
+outputs directly); a gather of a non-floating graph input (token ids) is never a parameter's.
 """
 
 from __future__ import annotations
@@ -23,14 +36,16 @@ import attrs
 import torch
 from torch import fx
 
-from .fx import COLLECTIVE_NAMESPACES
+from .fx import COLLECTIVE_NAMESPACES, REDUCE_SCATTER_TAG
 
-__all__ = ["STRUCTURAL_TAG", "StructuralGather", "StructuralResult", "find_fsdp_gathers", "tag_fsdp_gathers",
-           "untag_fsdp_gathers"]
+__all__ = ["STRUCTURAL_TAG", "StructuralGather", "StructuralReduction", "StructuralResult", "find_fsdp_gathers",
+           "find_gradient_reductions", "tag_fsdp_collectives", "tag_fsdp_gathers", "untag_fsdp_gathers"]
 
 #: set to True on the gathers this stage tagged (so the tags can be told apart, or removed)
 STRUCTURAL_TAG = "fsdp_structural"
-_TAG_KEYS = ("comm_type", "param_name", "fsdp_unsharded_nbytes", STRUCTURAL_TAG)
+REDUCTION_TAG = "fsdp_gradient_reduction"  # the kind of a recognised gradient reduction
+_TAG_KEYS = ("comm_type", "param_name", "fsdp_unsharded_nbytes", REDUCTION_TAG, STRUCTURAL_TAG)
+_REDUCTIONS = ("reduce_scatter_tensor", "all_reduce")
 _CASTS = {"prims::convert_element_type", "aten::_to_copy", "aten::to"}
 # single-input ops that re-lay out a shard without changing what it holds, though their schema
 # does not declare an alias (or copies): still "the parameter's shard"
@@ -55,21 +70,41 @@ class StructuralGather:
         return attrs.asdict(self, recurse=False) | {"path": list(self.path)}
 
 
+@attrs.frozen
+class StructuralReduction:
+    """One recognised gradient reduction: the launch, its wait, its kind, what lies between the wait and the output."""
+
+    launch: str
+    wait: str
+    kind: str                # "reduce_scatter_tensor" or "all_reduce"
+    group: str | None
+    tail: tuple[str, ...]    # the casts/views/scalar ops (and later reductions) from the wait to the output
+
+    def as_dict(self) -> dict[str, Any]:
+        return attrs.asdict(self, recurse=False) | {"tail": list(self.tail)}
+
+
 @attrs.define
 class StructuralResult:
     tagged: list[StructuralGather] = attrs.field(factory=list)
-    skipped: list[tuple[str, str]] = attrs.field(factory=list)  # (gather node, why it was not tagged)
+    skipped: list[tuple[str, str]] = attrs.field(factory=list)  # (collective node, why it was not tagged)
+    reductions: list[StructuralReduction] = attrs.field(factory=list)
 
     def as_dict(self) -> dict[str, Any]:
         return {"tagged": [g.as_dict() for g in self.tagged],
+                "reductions": [r.as_dict() for r in self.reductions],
                 "skipped": [{"node": n, "reason": r} for n, r in self.skipped]}
 
     def __str__(self) -> str:
-        lines = [f"structural FSDP gathers: {len(self.tagged)} tagged, {len(self.skipped)} skipped"]
+        lines = [f"structural FSDP collectives: {len(self.tagged)} gathers and {len(self.reductions)} gradient "
+                 f"reductions tagged, {len(self.skipped)} skipped"]
         for g in self.tagged:
             via = "".join(f" → %{p}" for p in g.path)
             lines.append(f"  %{g.launch}: {g.phase} gather of %{g.param_name}{via}, "
                          f"{'size unknown' if g.nbytes is None else f'{g.nbytes} bytes'}")
+        for r in self.reductions:
+            via = "".join(f" → %{p}" for p in r.tail)
+            lines.append(f"  %{r.launch}: gradient {r.kind} → %{r.wait}{via} → output")
         lines += [f"  %{n}: not tagged: {r}" for n, r in self.skipped]
         return "\n".join(lines)
 
@@ -79,9 +114,21 @@ def _schema_name(node: fx.Node) -> str | None:
     return None if schema is None else schema.name
 
 
-def _is_collective(node: fx.Node, op: str) -> bool:
+def _is_collective(node: fx.Node, op: str | None = None) -> bool:
     name = _schema_name(node)
-    return name is not None and name.split("::")[0] in COLLECTIVE_NAMESPACES and name.endswith("::" + op)
+    return (name is not None and name.split("::")[0] in COLLECTIVE_NAMESPACES
+            and (op is None or name.endswith("::" + op)))
+
+
+def _group(node: fx.Node) -> str | None:
+    """The `group_name` argument of a functional collective, as lowering reads it."""
+    schema = node.target._schema
+    names = [a.name for a in schema.arguments]
+    if "group_name" not in names:
+        return None
+    at = names.index("group_name")
+    value = node.args[at] if at < len(node.args) else node.kwargs.get("group_name")
+    return None if value is None else str(value)
 
 
 def _passes_shard_through(node: fx.Node) -> bool:
@@ -120,23 +167,54 @@ def _nbytes(node: fx.Node) -> int | None:
     return numel * value.dtype.itemsize if isinstance(numel, int) else None
 
 
+def _numel(node: fx.Node) -> int | None:
+    value = node.meta.get("val")
+    numel = value.numel() if isinstance(value, torch.Tensor) else None
+    return numel if isinstance(numel, int) else None
+
+
+def _passes_gradient_through(node: fx.Node) -> bool:
+    """What may sit between a gradient's reduction and the output: a single-input cast, view or
+    layout copy, or single-input arithmetic that keeps the element count (`grad / world_size`)."""
+    if _passes_shard_through(node):
+        return True
+    if node.op != "call_function" or len(node.all_input_nodes) != 1 or _schema_name(node) is None:
+        return False
+    if node.target._schema.is_mutable or _is_collective(node):
+        return False
+    numel, source = _numel(node), _numel(node.all_input_nodes[0])
+    return numel is not None and numel == source
+
+
 def _phase(node: fx.Node, phase: str | None) -> str:
     if phase is not None:
         return phase
     return "backward" if node.meta.get("autograd_backward") else "forward"
 
 
-def find_fsdp_gathers(graph: fx.Graph | fx.GraphModule, *, phase: str | None = None
-                      ) -> Iterator[tuple[fx.Node, StructuralGather | None, str | None]]:
-    """Each functional all-gather in graph order: (node, what it is as an FSDP gather or None, why not)."""
+def _check_args(phase: str | None, groups) -> frozenset[str] | None:
     if phase not in _PHASES:
         raise ValueError(f"phase must be None, 'forward' or 'backward', got {phase!r}")
+    if isinstance(groups, str):
+        raise TypeError("groups must be a collection of group names, not one string")
+    return None if groups is None else frozenset(str(g) for g in groups)
+
+
+def find_fsdp_gathers(graph: fx.Graph | fx.GraphModule, *, phase: str | None = None,
+                      groups=None) -> Iterator[tuple[fx.Node, StructuralGather | None, str | None]]:
+    """Each functional all-gather in graph order: (node, what it is as an FSDP gather or None, why not).
+
+    `groups`: when given, only gathers on these process groups (names) can be FSDP ones."""
+    groups = _check_args(phase, groups)
     graph = graph.graph if isinstance(graph, fx.GraphModule) else graph
     for node in graph.nodes:
         if not _is_collective(node, "all_gather_into_tensor"):
             continue
         if node.meta.get("comm_type") is not None and not node.meta.get(STRUCTURAL_TAG):
             yield node, None, f"already tagged comm_type={node.meta['comm_type']!r}"
+            continue
+        if groups is not None and _group(node) not in groups:
+            yield node, None, f"its group {_group(node)!r} is not one of the FSDP groups {sorted(groups)}"
             continue
         users = list(node.users)
         if len(users) != 1 or not _is_collective(users[0], "wait_tensor"):
@@ -151,21 +229,104 @@ def find_fsdp_gathers(graph: fx.Graph | fx.GraphModule, *, phase: str | None = N
             yield node, None, (f"its input does not trace back to a graph input through single-input "
                                f"casts/views (stopped at %{stop.name}, {stop.op} {stop.target})")
             continue
+        value = source.meta.get("val")
+        if isinstance(value, torch.Tensor) and not (value.dtype.is_floating_point or value.dtype.is_complex):
+            yield node, None, f"its graph input %{source.name} holds {value.dtype}, not a parameter's values"
+            continue
         yield node, StructuralGather(launch=node.name, wait=users[0].name, param_name=source.name,
                                      phase=_phase(node, phase), nbytes=_nbytes(node),
                                      path=tuple(p.name for p in path)), None
 
 
-def tag_fsdp_gathers(graph: fx.Graph | fx.GraphModule, *, phase: str | None = None) -> StructuralResult:
+def _reduction_kind(node: fx.Node) -> str | None:
+    for kind in _REDUCTIONS:
+        if _is_collective(node, kind):
+            return kind
+    return None
+
+
+def _single_wait(node: fx.Node) -> fx.Node | None:
+    users = list(node.users)
+    return users[0] if len(users) == 1 and _is_collective(users[0], "wait_tensor") else None
+
+
+def _tail_to_output(wait: fx.Node) -> tuple[list[fx.Node], fx.Node | None]:
+    """The nodes from `wait` to the graph output (passing a gradient through, or reducing it
+    further), and None; or what was found so far and the first user that is neither."""
+    tail, seen, stack = [], {wait}, [wait]
+    while stack:
+        for user in stack.pop().users:
+            if user.op == "output" or user in seen:
+                continue
+            if _passes_gradient_through(user):
+                found = [user]
+            elif _reduction_kind(user) is not None and (then := _single_wait(user)) is not None:
+                found = [user, then]
+            else:
+                return tail, user
+            seen.update(found)
+            tail += found
+            stack.append(found[-1])
+    return tail, None
+
+
+def find_gradient_reductions(graph: fx.Graph | fx.GraphModule, *, phase: str | None = None, groups=None
+                             ) -> Iterator[tuple[fx.Node, StructuralReduction | None, str | None]]:
+    """Each functional reduce-scatter and all-reduce in graph order: (node, what it is as a
+    gradient reduction or None, why not). `phase`, `groups`: as for `find_fsdp_gathers`."""
+    groups = _check_args(phase, groups)
+    graph = graph.graph if isinstance(graph, fx.GraphModule) else graph
+    position = {n: i for i, n in enumerate(graph.nodes)}
+    for node in graph.nodes:
+        kind = _reduction_kind(node)
+        if kind is None:
+            continue
+        if node.meta.get("comm_type") is not None and not node.meta.get(STRUCTURAL_TAG):
+            yield node, None, f"already tagged comm_type={node.meta['comm_type']!r}"
+            continue
+        if groups is not None and _group(node) not in groups:
+            yield node, None, f"its group {_group(node)!r} is not one of the FSDP groups {sorted(groups)}"
+            continue
+        if _phase(node, phase) != "backward":
+            yield node, None, "a forward collective: not a gradient's reduction"
+            continue
+        wait = _single_wait(node)
+        if wait is None:
+            yield node, None, f"its users are {[u.name for u in node.users]}, not exactly one wait_tensor"
+            continue
+        tail, stop = _tail_to_output(wait)
+        if stop is not None:
+            yield node, None, (f"its result reaches %{stop.name} ({stop.op} {stop.target}), not only the graph "
+                               f"output through casts/views: an activation's collective")
+            continue
+        yield node, StructuralReduction(launch=node.name, wait=wait.name, kind=kind, group=_group(node),
+                                        tail=tuple(n.name for n in sorted(tail, key=position.__getitem__))), None
+
+
+def tag_fsdp_gathers(graph: fx.Graph | fx.GraphModule, *, phase: str | None = None, groups=None) -> StructuralResult:
     """Tag every structurally recognised FSDP gather of `graph` in place; say what was and was not tagged.
 
     `phase` None reads each gather's phase as lowering does (`meta["autograd_backward"]`);
     "forward"/"backward" says the whole graph is that phase (e.g. Inductor's backward graph).
-    Running it twice gives the same tags.
+    `groups`: only collectives on these process groups are FSDP ones (None: any group).
+    Running it twice gives the same tags. `tag_fsdp_collectives` also tags gradient reductions.
     """
+    return tag_fsdp_collectives(graph, phase=phase, groups=groups, reductions=False)
+
+
+def tag_fsdp_collectives(graph: fx.Graph | fx.GraphModule, *, phase: str | None = None, groups=None,
+                         reductions: bool = True) -> StructuralResult:
+    """`tag_fsdp_gathers`, and (with `reductions`) every gradient reduce-scatter / all-reduce too."""
     graph = graph.graph if isinstance(graph, fx.GraphModule) else graph
     result = StructuralResult()
-    for node, gather, reason in list(find_fsdp_gathers(graph, phase=phase)):
+    if reductions:
+        for node, found, reason in list(find_gradient_reductions(graph, phase=phase, groups=groups)):
+            if found is None:
+                result.skipped.append((node.name, reason))
+                continue
+            node.meta.update({"comm_type": REDUCE_SCATTER_TAG, REDUCTION_TAG: found.kind, STRUCTURAL_TAG: True})
+            result.reductions.append(found)
+    for node, gather, reason in list(find_fsdp_gathers(graph, phase=phase, groups=groups)):
         if gather is None:
             result.skipped.append((node.name, reason))
             continue
@@ -178,7 +339,7 @@ def tag_fsdp_gathers(graph: fx.Graph | fx.GraphModule, *, phase: str | None = No
             meta["fsdp_unsharded_nbytes"] = gather.nbytes
         meta[STRUCTURAL_TAG] = True
         result.tagged.append(gather)
-    if result.tagged or result.skipped:
+    if result.tagged or result.reductions or result.skipped:
         LOG.debug("%s", result)
     return result
 

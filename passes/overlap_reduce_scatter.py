@@ -3,7 +3,9 @@
 Each reduce-scatter launches as soon as its gradient is ready: the launch, with the views that
 feed only it, rises to just after its latest predecessor (its gradient's producer, or the
 reduce-scatter before it: they keep their order; `hoist=false` leaves launches where they are).
-Then each reduce-scatter's views (a bucket's per-parameter slices) sink to their uses, and its
+Then what follows each reduce-scatter's wait — its views (a bucket's per-parameter slices), casts
+(a bf16 gradient cast to fp32 for the output) and single-operand arithmetic — sinks to its
+uses, so that none of it pins the wait, and its
 wait moves down to just before its earliest successor (its users, or the barrier, free or
 output that bounds it through an effect edge), so the compute between launch and wait hides it.
 Gradient bytes kept alive by a delayed wait are in flight from the launch to the wait;
@@ -15,7 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from ..ir import Launch, Program, Role, View, Wait
+from ..ir import Cast, Compute, Launch, Program, Role, View, Wait
 from .base import ModulePass, PassContext, PassResult, check_budget, register_pass
 from .budget import MaxTree
 from .gathers import GatherAnalysis
@@ -48,9 +50,9 @@ class OverlapReduceScatter(ModulePass):
         for name in launches:
             waits = [u for u in program.users(name) if isinstance(program.op(u), Wait)]
             wait = waits[0]
-            # views of the result (a bucket's per-parameter slices) alias it and hold nothing:
-            # they go down to their uses first, so that the wait can follow them
-            sink_in_order(program, sorted(_views_of(program, wait), key=schedule.index))
+            # views of the result (a bucket's per-parameter slices) and casts of it (to the
+            # gradient's dtype) go down to their uses first, so that the wait can follow them
+            sink_in_order(program, sorted(_tail_of(program, wait), key=schedule.index))
             succ = program.graph.succ[wait]
             if not succ:
                 stats["in place"] += 1
@@ -88,11 +90,18 @@ def _hoist(program: Program, launch: str) -> bool:
     return True
 
 
-def _views_of(program: Program, root: str) -> set[str]:
-    views, stack = set(), [root]
+def _follows(op) -> bool:
+    """What may trail a reduced gradient: a view, a cast, light single-operand arithmetic."""
+    if isinstance(op, (View, Cast)):
+        return True
+    return isinstance(op, Compute) and len(op.operands) == 1 and not (op.heavy or op.random)
+
+
+def _tail_of(program: Program, root: str) -> set[str]:
+    tail, stack = set(), [root]
     while stack:
         for user in program.users(stack.pop()):
-            if isinstance(program.op(user), View) and user not in views:
-                views.add(user)
+            if user not in tail and _follows(program.op(user)):
+                tail.add(user)
                 stack.append(user)
-    return views
+    return tail

@@ -144,7 +144,7 @@ def test_structural_flag(capsys, tmp_path):
     report_path = tmp_path / "r.json"
     code, out, _ = run(capsys, "schedule", "test_cli:untagged_graph", "--structural", "--json", str(report_path),
                        "--pipeline", PIPELINE)
-    assert code == EXIT_OK and "3 gathers: 2 moved (fwd 2)" in out and "structural: 3 gathers tagged, 0 not" in out
+    assert code == EXIT_OK and "3 gathers: 2 moved (fwd 2)" in out and "structural: 3 gathers and 0 gradient reductions tagged, 0 not" in out
     report = json.loads(report_path.read_text())
     assert [g["param_name"] for g in report["structural"]["tagged"]] == ["s1_1", "s2_1", "s3_1"]
 
@@ -246,7 +246,7 @@ def test_quiet_by_default_verbose_logs_info(capsys):
     assert code == EXIT_OK
     assert "fxsched.cli: test_cli:untagged_graph: 20 FX nodes" in err
     assert "fxsched.cli: pass prefetch: forward=2" in err
-    assert "structural FSDP gathers: 3 tagged" in err
+    assert "structural FSDP collectives: 3 gathers and 0 gradient reductions tagged" in err
     logger = logging.getLogger("fxsched")  # restored after the command
     assert logger.level == logging.NOTSET and all(isinstance(h, logging.NullHandler) for h in logger.handlers)
 

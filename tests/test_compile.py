@@ -135,6 +135,8 @@ def _check_compiled(results, *, bitwise_eager: bool):
         assert len(fwd["structural"]["tagged"]) == LAYERS and fwd["gathers"] == LAYERS
         assert len(bwd["structural"]["tagged"]) == LAYERS - 1 and bwd["gathers"] == LAYERS - 1
         assert {g["phase"] for g in bwd["structural"]["tagged"]} == {"backward"}
+        # every layer's gradient reduce-scatter is recognised (in the backward graph only)
+        assert len(bwd["structural"]["reductions"]) == LAYERS and fwd["structural"]["reductions"] == []
         assert fwd["moved"] == LAYERS - 1 and bwd["moved"] == LAYERS - 2
         assert fwd["sunk"] >= 1
         assert fwd["relinked"] and bwd["relinked"]
