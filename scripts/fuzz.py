@@ -8,8 +8,10 @@
 CI runs the same tests with a few derandomized examples each. Here every test draws
 `--examples` random cases (`--graph-examples` for the tests that generate FX graphs, ~1 s a
 case; default: the same number). Failures are shrunk, printed with the graph options and the
-pipeline, and saved in .hypothesis/ so that the next run tries them first. Extra arguments go
-to pytest (e.g. `-x`, `-v`).
+pipeline, and saved in .hypothesis/ so that the next run tries them first; the smallest case of
+each failing test is also written as an IR test file, `--reproducers DIR/NAME.fxir` (default
+fuzz-reproducers/), whose RUN line reruns it with `fxsched opt` (tests/reproducers.py). Extra
+arguments go to pytest (e.g. `-x`, `-v`).
 """
 
 from __future__ import annotations
@@ -30,6 +32,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--graph-examples", type=int, default=None,
                         help="cases for the tests that generate FX graphs (default: --examples)")
     parser.add_argument("--seed", type=int, default=None, help="hypothesis seed (default: random)")
+    parser.add_argument("--reproducers", default="fuzz-reproducers", metavar="DIR",
+                        help="write each failing test's smallest case here as a .fxir file (default %(default)s)")
     parser.add_argument("-k", dest="select", default=None, help="run only the tests matching this pytest -k expression")
     args, pytest_args = parser.parse_known_args(argv)
     for name in ("examples", "graph_examples"):
@@ -37,7 +41,8 @@ def main(argv: list[str] | None = None) -> int:
         if value is not None and value < 1:
             parser.error(f"--{name.replace('_', '-')} must be at least 1, got {value}")
     env = dict(os.environ, FXSCHED_FUZZ_EXAMPLES=str(args.examples),
-               FXSCHED_FUZZ_GRAPH_EXAMPLES=str(args.graph_examples or args.examples))
+               FXSCHED_FUZZ_GRAPH_EXAMPLES=str(args.graph_examples or args.examples),
+               FXSCHED_REPRODUCERS=os.path.abspath(args.reproducers))
     command = [sys.executable, "-m", "pytest", "-q", "--hypothesis-show-statistics",
                str(ROOT / "tests" / "test_properties.py")]
     if args.seed is not None:

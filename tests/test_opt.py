@@ -174,3 +174,31 @@ def test_version_from_python_dash_m():
 
     done = fxsched("--version")
     assert done.returncode == 0 and done.stdout == f"fxsched {__version__}\n"
+
+
+def test_a_fuzzer_failure_becomes_an_ir_test_file(tmp_path, monkeypatch):
+    from reproducers import reproducer_on_failure
+
+    from fxsched.ir import parse_program
+    from fxsched.passes import PassFailure, PassManager
+    from fxsched.passes.plugins import load_module
+
+    plugin = tmp_path / "failing.py"
+    plugin.write_text(FAILING_PLUGIN)
+    load_module(str(plugin))
+    monkeypatch.setenv("FXSCHED_REPRODUCERS", str(tmp_path / "out"))
+    # a pass that fails: the IR before it, and a RUN line that fails the same way
+    with pytest.raises(PassFailure), reproducer_on_failure("case", lambda: SINK_INPUT, "sink,boom"):
+        PassManager("sink,boom", reproducer=True).run(parse_program(SINK_INPUT))
+    written = (tmp_path / "out" / "case.fxir").read_text()
+    assert "// RUN: fxsched opt %s -p 'boom'" in written
+    with pytest.raises(RunFailure) as info:
+        run_file(str(tmp_path / "out" / "case.fxir"))
+    assert "unknown pass 'boom'" in str(info.value)  # the RUN line names no plugin: fxsched opt's own registry
+    # a check of the test that failed: the program before the pipeline, the check in a comment
+    with pytest.raises(AssertionError), reproducer_on_failure("check", lambda: SINK_INPUT, "sink"):
+        assert False, "a second run moved ops to other places"
+    written = (tmp_path / "out" / "check.fxir").read_text()
+    assert "//   AssertionError: a second run moved ops to other places" in written
+    assert "// RUN: fxsched opt %s -p 'sink'" in written and written.endswith(SINK_INPUT)
+    assert run_file(str(tmp_path / "out" / "check.fxir")) == 1

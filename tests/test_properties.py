@@ -39,9 +39,11 @@ import fxsched
 from fxsched.front.generate import generate_graph, min_nodes
 from fxsched.ir import (Barrier, Compute, CopyOut, Free, Input, Launch, Marker, Output, Phase, View, Wait,
                         parse_program, print_program, verify)
+from fxsched.lowering import lower
 from fxsched.passes import DEFAULT_PIPELINE, REFERENCE_PIPELINE, PassManager
 
 from irtest import STACK_AFTER_A_BARRIER
+from reproducers import reproducer_on_failure
 
 FUZZ = int(os.environ.get("FXSCHED_FUZZ_EXAMPLES", "0") or 0)
 FUZZ_GRAPHS = int(os.environ.get("FXSCHED_FUZZ_GRAPH_EXAMPLES", "0") or 0) or FUZZ
@@ -402,9 +404,10 @@ def test_generated_graphs_schedule_legally_within_budget_and_stably(graph, pipel
     (num_nodes, options), (text, limit) = graph, pipeline
     note(f"generate_graph({num_nodes}, **{options}); pipeline {text!r}")
     original = _graph(num_nodes, **options)
-    done = fxsched.schedule(original, text)
-    verify(done.program)
-    _, _, early = check_fx_schedule(original, done.graph_module, limit, prefetched_launches(done.program))
+    with reproducer_on_failure("generated_graphs", lambda: print_program(lower(original)), text):
+        done = fxsched.schedule(original, text)
+        verify(done.program)
+        _, _, early = check_fx_schedule(original, done.graph_module, limit, prefetched_launches(done.program))
     event(f"gathers moved early: {'none' if not early else 'some'}")
     event(f"held over budget: {any(r['reason'] == 'over budget' for r in done.report['gathers'])}")
     if limit == 0:
@@ -708,12 +711,15 @@ def run_text(text: str, pipeline: str, limit: int | None):
     before = parse_program(text)
     verify(before)
     after = parse_program(text)
-    PassManager(pipeline).run(after)
-    early = check_ir_schedule(before, after, limit)
-    again = parse_program(print_program(after))  # marks (prefetched, holds) travel in the text
-    PassManager(pipeline).run(again)
-    check_ir_schedule(before, again, limit)
-    assert ir_places(after) == ir_places(again), "a second run moved ops to other places"
+    with reproducer_on_failure("ir_programs", lambda: text, pipeline):
+        PassManager(pipeline, reproducer=True).run(after)
+        early = check_ir_schedule(before, after, limit)
+    again_text = print_program(after)  # marks (prefetched, holds) travel in the text
+    again = parse_program(again_text)
+    with reproducer_on_failure("ir_programs_second_run", lambda: again_text, pipeline):
+        PassManager(pipeline, reproducer=True).run(again)
+        check_ir_schedule(before, again, limit)
+        assert ir_places(after) == ir_places(again), "a second run moved ops to other places"
     return after, early
 
 
