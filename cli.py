@@ -19,32 +19,17 @@ import contextlib
 import functools
 import importlib
 import importlib.util
-import json
 import logging
 import os
 import sys
 import time
 import traceback
+import warnings
 
 from . import __version__
 
 EXIT_OK, EXIT_USAGE, EXIT_FAILED = 0, 2, 1
 LOG = logging.getLogger("fxsched.cli")
-
-# why a gather stays, in words (the passes record the short reason)
-REASON_TEXT = {
-    "first group": "its consumer is the first of its phase: no earlier compute to hide it behind",
-    "depth 0": "prefetch depth is 0 in its phase",
-    "no consumer": "nothing reads what it gathers",
-    "over budget": "launching it early would put more unsharded bytes in flight than max-in-flight-gb allows",
-    "unknown size": "its unsharded size is unknown (fsdp_unsharded_nbytes), so the budget cannot admit it",
-    "no earlier legal slot": "an input, a barrier, a free or the start of its phase keeps it where it is",
-    "hidden where it is": "the cost model says its communication already ends before its consumer needs it",
-    "cannot be hidden": "even its earliest legal launch leaves some communication exposed (the cost model says so)",
-    "no parameter name": "its tags name no parameter (param_name): left alone",
-    "bucket without members": "its bucket lists no members (fsdp_bucket_members): left alone",
-}
-
 
 class UsageError(Exception):
     """Bad arguments or input: reported as `fxsched: <message>`, exit code 2."""
@@ -103,6 +88,9 @@ def load_function(spec: str):
             if not os.path.isfile(module_name):
                 raise UsageError(f"no such file: {module_name}")
             name = "_fxsched_user_" + os.path.splitext(os.path.basename(module_name))[0]
+            folder = os.path.dirname(os.path.abspath(module_name))
+            if folder not in sys.path:  # so it imports its siblings, as `python file.py` would
+                sys.path.insert(0, folder)
             found = importlib.util.spec_from_file_location(name, module_name)
             module = importlib.util.module_from_spec(found)
             sys.modules[name] = module
@@ -152,125 +140,13 @@ def load_graph(spec: str):
     return gm
 
 
-# --------------------------------------------------------------------------- reports as text
-
-
-def timing_text(timing) -> str:
-    return "  " + timing.report().replace("\n", "\n  ").rstrip() if timing else ""
-
-
-def _where(row: dict) -> str:
-    if row["moved"]:
-        return f"before %{row['anchor']}" if row["anchor"] else "moved (by an earlier run)"
-    return f"stays ({row['reason']})" if row["reason"] else "stays"
-
-
-def report_lines(report: dict) -> list[str]:
-    """The report as a table: per-pass statistics, one row per gather, the program's notes."""
-    lines = [f"  pipeline: {report['pipeline']}"]
-    for name, stats in report["passes"].items():
-        shown = ", ".join(f"{k}={v}" for k, v in stats.items() if k != "changed")
-        lines.append(f"    {name:<40} {shown}")
-    if report["gathers"]:
-        lines.append("  gathers:")
-        width = max(len(row["launch"]) for row in report["gathers"])
-        for row in report["gathers"]:
-            params = ",".join(row["params"])
-            lines.append(f"    %{row['launch']:<{width}} {row['phase']} {params[:40]:<40} {_where(row)}")
-    lines += [f"  note: {note}" for note in report["notes"]]
-    return lines
-
-
-def summary_line(report: dict) -> str:
-    rows = report["gathers"]
-    phases = collections.Counter(row["phase"] for row in rows if row["moved"])
-    held = collections.Counter(row["reason"] for row in rows if not row["moved"] and row["reason"])
-    sunk = sum(s.get("sunk", 0) for k, s in report["passes"].items() if k.split("{")[0].split("#")[0] == "sink")
-    text = (f"  {len(rows)} gathers: {sum(phases.values())} moved "
-            f"({', '.join(f'{p} {n}' for p, n in sorted(phases.items())) or 'none'}), {sunk} nodes sunk")
-    if held:
-        text += "; stayed: " + ", ".join(f"{r} {n}" for r, n in sorted(held.items()))
-    return text
-
-
-def explain_lines(report: dict, before: dict[str, int], after: dict[str, int]) -> list[str]:
-    """For each gather: moved or not, where to, and why; then the program's notes."""
-    lines = []
-    for row in report["gathers"]:
-        head = (f"%{row['launch']} ({row['phase']}, {row['role']}, {', '.join(row['params']) or 'no parameter'}"
-                f"{', bucket ' + row['bucket'] if row['bucket'] else ''}, "
-                f"{'size unknown' if row['nbytes'] is None else _bytes(row['nbytes'])})")
-        lines.append(head)
-        name = row["launch"]
-        if row["moved"]:
-            shift = before.get(name, 0) - after.get(name, 0)
-            where = f"launches just before %{row['anchor']}" if row["anchor"] else "moved by an earlier run"
-            lines.append(f"    moved: {where} ({shift} nodes earlier than traced)")
-        elif row["reason"]:
-            lines.append(f"    stays: {row['reason']}: {REASON_TEXT.get(row['reason'], row['reason'])}")
-        else:
-            lines.append("    stays: no pass of the pipeline anchored it")
-    if not report["gathers"]:
-        lines.append("no FSDP gathers (untagged graph? try --structural)")
-    lines += [f"note: {note}" for note in report["notes"]]
-    return lines
-
-
-def _bytes(n: int) -> str:
-    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if n >= size:
-            return f"{n / size:.2f} {unit}"
-    return f"{n} B"
-
-
-# --------------------------------------------------------------------------- simulation (cost/)
-
-
-def _cost():
-    """fxsched.cost, or None while it offers no simulator."""
-    try:
-        from . import cost
-    except ImportError:
-        return None
-    needed = ("simulate", "chrome_trace", "before_after", "compare_table", "hardware")
-    return cost if all(hasattr(cost, f) for f in needed) else None
-
-
 def check_hardware(name: str) -> None:
-    cost = _cost()
-    if cost is not None:
-        try:
-            cost.hardware(name)
-        except ValueError as exc:
-            raise UsageError(str(exc)) from None
+    from .cost import hardware
 
-
-def simulate_before_after(gm, done, hardware: str, record: bool):
-    """(before, after) Simulations of `gm` as traced and as scheduled, or None without a simulator."""
-    cost = _cost()
-    if cost is None:
-        return None
-    from .lowering import lower
-
-    before = cost.simulate(lower(gm), hardware, record=record)
-    after = cost.simulate(done.program, hardware, record=record)
-    return before, after
-
-
-def write_trace(path: str, before, after) -> None:
-    """One Chrome trace with the schedule before (process 1) and after (process 2) the pipeline."""
-    cost = _cost()
-    first = cost.chrome_trace(before, label="before (as traced)", pid=1)
-    second = cost.chrome_trace(after, label="after (scheduled)", pid=2)
-    trace = {"traceEvents": first["traceEvents"] + second["traceEvents"], "displayTimeUnit": "ms",
-             "otherData": {"before": first.get("otherData"), "after": second.get("otherData")}}
-    with open(path, "w") as f:
-        json.dump(trace, f)
-
-
-def _write_json(path: str, data: dict) -> None:
-    with open(path, "w") as f:
-        json.dump(data, f, indent=1)
+    try:
+        hardware(name)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
 
 
 # --------------------------------------------------------------------------- commands
@@ -278,6 +154,8 @@ def _write_json(path: str, data: dict) -> None:
 
 def _demo(args) -> int:
     import torch
+
+    from .report import report_lines, simulate_before_after, timing_text, write_json, write_trace
 
     from . import schedule
     from .front import fsdp_joint_graph
@@ -288,7 +166,10 @@ def _demo(args) -> int:
     progress = _progress(args)
     started = time.perf_counter()
     progress.stage(f"tracing {args.model} ({args.layers} layers)")
-    module, inputs, model_loss = build_model(args.model, layers=args.layers, width=args.width, seed=args.seed)
+    try:
+        module, inputs, model_loss = build_model(args.model, layers=args.layers, width=args.width, seed=args.seed)
+    except ValueError as exc:  # a size the model cannot be built with
+        raise UsageError(f"demo: {exc}") from None
     front = fsdp_joint_graph(module, inputs, lambda m, *xs: model_loss(m(*xs), *xs), args.world_size,
                              buckets="per-module" if args.buckets else None,
                              mixed_precision=torch.bfloat16 if args.bf16 else None)
@@ -316,23 +197,21 @@ def _demo(args) -> int:
     print(timing_text(done.timing))
     progress.stage("simulating before/after")
     sims = simulate_before_after(front.gm, done, args.hardware, record=bool(args.trace))
-    if sims is None:
-        print("  simulation: not available (fxsched.cost offers no simulator yet)")
-    else:
-        rows = {"before": sims[0]}
-        from .passes import PassManager
+    rows = {"before": sims[0]}
+    from .cost import compare_table, simulate
+    from .passes import PassManager
 
-        if str(PassManager(args.pipeline)) != str(PassManager("reference")):  # compare with the reference too
-            reference = schedule(front.gm, "reference", cost_model=args.hardware)
-            rows["reference"] = _cost().simulate(reference.program, args.hardware)
-        rows["after"] = sims[1]
-        print(f"  simulated on {args.hardware} (roofline cost model; after = {done.pipeline}):")
-        print("    " + _cost().compare_table(rows, baseline="before").rstrip().replace("\n", "\n    "))
-        report = {**report, "simulation": {"hardware": args.hardware,
-                                           **{name: sim.summary() for name, sim in rows.items()}}}
-        if args.trace:
-            write_trace(args.trace, *sims)
-            print(f"  timeline written to {args.trace} (open in https://ui.perfetto.dev or chrome://tracing)")
+    if str(PassManager(args.pipeline)) != str(PassManager("reference")):  # compare with the reference too
+        reference = schedule(front.gm, "reference", cost_model=args.hardware)
+        rows["reference"] = simulate(reference.program, args.hardware)
+    rows["after"] = sims[1]
+    print(f"  simulated on {args.hardware} (roofline cost model; after = {done.pipeline}):")
+    print("    " + compare_table(rows, baseline="before").rstrip().replace("\n", "\n    "))
+    report = {**report, "simulation": {"hardware": args.hardware,
+                                       **{name: sim.summary() for name, sim in rows.items()}}}
+    if args.trace:
+        write_trace(args.trace, *sims)
+        print(f"  timeline written to {args.trace} (open in https://ui.perfetto.dev or chrome://tracing)")
     status = EXIT_OK
     if args.check:
         from .runtime import run_graph
@@ -347,7 +226,7 @@ def _demo(args) -> int:
               f"{'bitwise equal' if same else 'DIFFER'} before/after scheduling")
         status = EXIT_OK if same else EXIT_FAILED
     if args.json:
-        _write_json(args.json, report)
+        write_json(args.json, report)
         print(f"  report written to {args.json}")
     return status
 
@@ -382,10 +261,9 @@ def _schedule_graph(args, progress: Progress, instruments=(), timing=False):
 
 def _schedule(args) -> int:
     from .passes import PrintIR
+    from .report import report_lines, simulate_before_after, summary_line, timing_text, write_json, write_trace
 
     check_hardware(args.hardware)
-    if args.trace and _cost() is None:
-        raise UsageError("--trace: not available yet (fxsched.cost offers no schedule simulator)")
     progress = _progress(args)
     instruments = []
     if args.print_ir_before or args.print_ir_after or args.print_ir_after_change:
@@ -394,37 +272,39 @@ def _schedule(args) -> int:
                                    only_changed=args.print_ir_after_change and not args.print_ir_after))
     gm, done, structural = _schedule_graph(args, progress, instruments, timing=args.timing)
     report = done.report
-    print(f"fxsched schedule {args.function}: {len(gm.graph.nodes)} FX nodes, "
+    # with `--output -` stdout holds the code only: what is said goes to stderr
+    say = functools.partial(print, file=sys.stderr if args.output == "-" else sys.stdout)
+    say(f"fxsched schedule {args.function}: {len(gm.graph.nodes)} FX nodes, "
           f"{done.program.graph.number_of_nodes()} IR ops")
     if not args.report:  # the report starts with it
-        print(f"  pipeline: {done.pipeline}")
-    print(summary_line(report))
+        say(f"  pipeline: {done.pipeline}")
+    say(summary_line(report))
     if structural is not None:
         report = {**report, "structural": structural.as_dict()}
-        print(f"  structural: {len(structural.tagged)} gathers and {len(structural.reductions)} gradient "
-              f"reductions tagged, {len(structural.skipped)} not")
+        say(f"  structural: {len(structural.tagged)} gathers and {len(structural.reductions)} gradient "
+            f"reductions tagged, {len(structural.skipped)} not")
     elif not report["gathers"]:
-        print("  no tagged FSDP gathers: nothing to schedule (untagged graph? try --structural)")
+        say("  no tagged FSDP gathers: nothing to schedule (untagged graph? try --structural)")
     sims = None
     if args.report or args.trace or args.json:
         progress.stage("simulating before/after")
         sims = simulate_before_after(gm, done, args.hardware, record=bool(args.trace))
-        if sims is not None:
-            report = {**report, "simulation": {"hardware": args.hardware, "before": sims[0].summary(),
-                                               "after": sims[1].summary()}}
+        report = {**report, "simulation": {"hardware": args.hardware, "before": sims[0].summary(),
+                                           "after": sims[1].summary()}}
     if args.report:
-        print("\n".join(report_lines(report)))
-        if sims is not None:
-            print(f"  simulated on {args.hardware} (roofline cost model):")
-            print("    " + _cost().before_after(*sims).rstrip().replace("\n", "\n    "))
+        from .cost import before_after
+
+        say("\n".join(report_lines(report)))
+        say(f"  simulated on {args.hardware} (roofline cost model):")
+        say("    " + before_after(*sims).rstrip().replace("\n", "\n    "))
     if args.timing:
-        print(timing_text(done.timing))
+        say(timing_text(done.timing))
     if args.trace:
         write_trace(args.trace, *sims)
-        print(f"  timeline written to {args.trace}")
+        say(f"  timeline written to {args.trace}")
     if args.json:
-        _write_json(args.json, report)
-        print(f"  report written to {args.json}")
+        write_json(args.json, report)
+        say(f"  report written to {args.json}")
     if args.output:
         code = done.graph_module.code
         if args.output == "-":
@@ -432,11 +312,13 @@ def _schedule(args) -> int:
         else:
             with open(args.output, "w") as f:
                 f.write(code)
-            print(f"  scheduled graph's code written to {args.output}")
+            say(f"  scheduled graph's code written to {args.output}")
     return EXIT_OK
 
 
 def _explain(args) -> int:
+    from .report import explain_lines, summary_line, write_json
+
     check_hardware(args.hardware)
     progress = _progress(args)
     gm, done, structural = _schedule_graph(args, progress)
@@ -447,7 +329,7 @@ def _explain(args) -> int:
     print("\n".join(explain_lines(done.report, before, after)))
     if args.json:
         report = done.report if structural is None else {**done.report, "structural": structural.as_dict()}
-        _write_json(args.json, report)
+        write_json(args.json, report)
     return EXIT_OK
 
 
@@ -471,25 +353,41 @@ def _passes(args) -> int:
 # --------------------------------------------------------------------------- the parser
 
 
-def build_parser() -> argparse.ArgumentParser:
-    from .passes import DEFAULT_PIPELINE, PIPELINES
+class _Parser(argparse.ArgumentParser):
+    """argparse, with its errors on one line: `fxsched demo: argument --layers: ...`."""
 
-    common = argparse.ArgumentParser(add_help=False)
+    def error(self, message: str):
+        self.exit(EXIT_USAGE, f"{self.prog}: {message} (see `{self.prog} --help`)\n")
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    # imports nothing of fxsched's stages: `fxsched --help` and argument errors stay instant
+    common = _Parser(add_help=False)
     common.add_argument("-v", "--verbose", action="store_true", help="log fxsched.* at INFO on stderr")
     common.add_argument("--progress", action="store_true",
                         help="show stages and elapsed seconds on stderr (default: only when stderr is a terminal)")
     common.add_argument("--load-pass-plugin", action="append", default=[], metavar="MODULE",
                         help="import MODULE (a dotted name or a .py path) first: the passes it registers can "
                              "be named in pipelines (repeatable)")
-    pipeline = argparse.ArgumentParser(add_help=False)
+    pipeline = _Parser(add_help=False)
     pipeline.add_argument("--pipeline", default="default",
-                          help=f"passes as text, e.g. 'anchor{{forward-depth=2}},budget,prefetch,sink', or a "
-                               f"name: {', '.join(PIPELINES)} (default: default = {DEFAULT_PIPELINE}); "
-                               f"see `fxsched passes`")
+                          help="passes as text, e.g. 'anchor{forward-depth=2},budget,prefetch,sink', or a "
+                               "named pipeline: default (the default), reference; `fxsched passes` lists passes, "
+                               "their options and the named pipelines")
     pipeline.add_argument("--hardware", default="h100",
                           help="cost model profile for cost-guided passes and the simulation: h100 (default), "
                                "h200, 910b")
-    user = argparse.ArgumentParser(add_help=False)
+    user = _Parser(add_help=False)
     user.add_argument("function", metavar="MODULE:FUNCTION",
                       help="a function of no arguments returning a torch.fx.GraphModule; MODULE is a dotted "
                            "name or a .py path")
@@ -497,7 +395,7 @@ def build_parser() -> argparse.ArgumentParser:
                       help="first tag untagged FSDP gathers and gradient reductions found structurally "
                            "(torch.compile / SimpleFSDP / torchtitan graphs)")
 
-    parser = argparse.ArgumentParser(prog="fxsched", description=__doc__,
+    parser = _Parser(prog="fxsched", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--version", action="version", version=f"fxsched {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -505,10 +403,10 @@ def build_parser() -> argparse.ArgumentParser:
     demo = sub.add_parser("demo", parents=[common, pipeline],
                           help="trace a built-in model through the FSDP front and schedule it")
     demo.add_argument("--model", default="gpt", choices=["gpt", "llama", "encoder"])
-    demo.add_argument("--layers", type=int, default=4)
-    demo.add_argument("--width", type=int, default=64)
+    demo.add_argument("--layers", type=_positive_int, default=4)
+    demo.add_argument("--width", type=_positive_int, default=64)
     demo.add_argument("--seed", type=int, default=0)
-    demo.add_argument("--world-size", type=int, default=2)
+    demo.add_argument("--world-size", type=_positive_int, default=2)
     demo.add_argument("--buckets", action="store_true", help="one gather per module")
     demo.add_argument("--bf16", action="store_true", help="mixed precision: gather bf16 shards")
     demo.add_argument("--trace", default="fxsched-demo.trace.json", metavar="FILE",
@@ -577,6 +475,8 @@ def _opt(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    # torch warns on import when NumPy is not installed; fxsched needs no NumPy
+    warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
     parser = build_parser()
     try:
         args = parser.parse_args(argv)

@@ -1,7 +1,7 @@
 """The IR: op kinds, programs (graph + schedule), effect rules, verifier and text form."""
 
 from .effects import BACKWARD, ENTRY, EffectError, derive_effects, storage_readers, storage_root
-from .ops import (OP_KINDS, REALIZATION_KINDS, Barrier, Cast, Compute, Constant, CopyOut, Free, Input,
+from .ops import (OP_KINDS, Barrier, Cast, Compute, Constant, CopyOut, Free, Input,
                   Launch, Marker, Op, Output, Phase, Role, TensorType, View, Wait, irop)
 from .ops import DTYPE_BYTES
 from .program import DATA, EFFECT, Program, Schedule
@@ -9,7 +9,7 @@ from .text import ParseError, parse_program, print_op, print_program
 from .verify import VerifyError, verify, verify_moves
 
 __all__ = [
-    "BACKWARD", "DATA", "EffectError", "EFFECT", "ENTRY", "OP_KINDS", "REALIZATION_KINDS", "Barrier", "Cast",
+    "BACKWARD", "DATA", "EffectError", "EFFECT", "ENTRY", "OP_KINDS", "Barrier", "Cast",
     "Compute", "Constant", "CopyOut", "Free", "Input", "Launch", "Marker", "Op", "Output", "ParseError",
     "Phase", "Program", "Role", "Schedule", "TensorType", "DTYPE_BYTES", "VerifyError", "View", "Wait", "derive_effects",
     "irop", "parse_program", "print_op", "print_program", "storage_readers", "storage_root",

@@ -219,6 +219,3 @@ class Barrier(Op):
     reason: str = ""
     heavy: bool = False
     attention: bool = False
-
-
-REALIZATION_KINDS = (Wait, View, CopyOut)

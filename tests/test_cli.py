@@ -106,9 +106,20 @@ def test_schedule_report_is_json_data():
     assert json.loads(json.dumps(report)) == json.loads(json.dumps(report, default=str))
 
 
-def test_schedule_output_to_stdout(capsys):
-    code, out, _ = run(capsys, "schedule", "test_cli:tagged_graph", "--pipeline", "sink", "-o", "-")
-    assert code == EXIT_OK and "def forward" in out
+def test_schedule_output_to_stdout_is_only_the_code(capsys):
+    code, out, err = run(capsys, "schedule", "test_cli:tagged_graph", "--pipeline", "sink", "-o", "-", "--timing")
+    assert code == EXIT_OK and out.lstrip().startswith("def forward") and "fxsched schedule" not in out
+    compile(out, "<scheduled>", "exec")  # stdout is Python, nothing else
+    assert "fxsched schedule test_cli:tagged_graph" in err and "pass timing:" in err
+
+
+def test_schedule_a_file_that_imports_its_siblings(capsys, tmp_path, monkeypatch):
+    (tmp_path / "helpers.py").write_text("from test_cli import tagged_graph\n")
+    (tmp_path / "graphs.py").write_text("import helpers\n\ndef build():\n    return helpers.tagged_graph()\n")
+    monkeypatch.chdir(os.path.dirname(__file__))  # not the file's folder
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    code, out, err = run(capsys, "schedule", f"{tmp_path / 'graphs.py'}:build", "--pipeline", "sink")
+    assert code == EXIT_OK, err
 
 
 def test_print_ir_instruments(capsys):
@@ -124,13 +135,8 @@ def test_print_ir_instruments(capsys):
 
 
 def test_trace_has_before_and_after(capsys, tmp_path):
-    from fxsched.cli import _cost
-
     path = tmp_path / "trace.json"
     code, out, err = run(capsys, "schedule", "test_cli:tagged_graph", "--trace", str(path))
-    if _cost() is None:
-        assert code == EXIT_USAGE and "not available yet" in err
-        return
     assert code == EXIT_OK, err
     trace = json.loads(path.read_text())
     assert {e["pid"] for e in trace["traceEvents"]} == {1, 2}
@@ -211,11 +217,20 @@ def test_bad_pipeline_fails_before_loading(capsys):
     assert code == EXIT_USAGE and tagged_graph.cache_info().misses == 0
 
 
-@pytest.mark.parametrize("argv", [[], ["frobnicate"], ["schedule"], ["schedule", "a:b", "--no-such-flag"],
-                                  ["demo", "--model", "bert"]])
-def test_argument_errors_exit_2(capsys, argv):
-    code, _, err = run(capsys, *argv)
-    assert code == EXIT_USAGE and "usage: fxsched" in err
+@pytest.mark.parametrize("argv, message", [
+    ([], "fxsched: the following arguments are required: COMMAND"),
+    (["frobnicate"], "fxsched: argument COMMAND: invalid choice: 'frobnicate'"),
+    (["schedule"], "fxsched schedule: the following arguments are required: MODULE:FUNCTION"),
+    (["schedule", "a:b", "--no-such-flag"], "fxsched: unrecognized arguments: --no-such-flag"),
+    (["demo", "--model", "bert"], "fxsched demo: argument --model: invalid choice: 'bert'"),
+    (["demo", "--layers", "0"], "fxsched demo: argument --layers: must be at least 1, got 0"),
+    (["demo", "--world-size", "two"], "fxsched demo: argument --world-size: not an integer: 'two'"),
+    (["demo", "--width", "-8"], "fxsched demo: argument --width: must be at least 1, got -8"),
+])
+def test_argument_errors_exit_2_with_one_line(capsys, argv, message):
+    code, out, err = run(capsys, *argv)
+    assert code == EXIT_USAGE and out == ""
+    assert err.startswith(message) and err.count("\n") == 1, err
 
 
 def test_help_exits_0(capsys):
@@ -268,19 +283,16 @@ def test_progress_on_request(capsys):
 
 
 def test_demo_small(capsys, tmp_path):
-    from fxsched.cli import _cost
-
     trace, report = tmp_path / "t.json", tmp_path / "r.json"
     code, out, _ = run(capsys, "demo", "--layers", "1", "--width", "32", "--no-check", "--trace", str(trace),
                        "--json", str(report))
     assert code == EXIT_OK
     assert "fxsched demo: gpt (1 layers, width 32)" in out and "pass timing:" in out
-    if _cost() is not None:
-        assert "step ms" in out and "exposed ms" in out and "peak mem" in out
-        assert "\n    before " in out and "\n    after " in out
-        assert json.loads(trace.read_text())["traceEvents"]
-        assert set(json.loads(report.read_text())["simulation"]) == {"hardware", "before", "reference", "after"}
-        assert "\n    reference " in out  # the default pipeline is compared with the reference one
+    assert "step ms" in out and "exposed ms" in out and "peak mem" in out
+    assert "\n    before " in out and "\n    after " in out
+    assert json.loads(trace.read_text())["traceEvents"]
+    assert set(json.loads(report.read_text())["simulation"]) == {"hardware", "before", "reference", "after"}
+    assert "\n    reference " in out  # the default pipeline is compared with the reference one
 
 
 def test_console_script_smoke(tmp_path):
