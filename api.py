@@ -15,6 +15,7 @@ from torch import fx
 from .config import read_config
 from .ir import Launch, Program
 from .ir.gcpause import gc_paused
+from .ir import tags
 from .lowering import lower
 from .passes import DEFAULT_PIPELINE, Instrument, PassContext, PassManager, PipelineResult, Timing
 from .raising import raise_program
@@ -80,7 +81,7 @@ def schedule(gm: fx.GraphModule, pipeline: str = DEFAULT_PIPELINE, *, verify_eac
              if row["moved"] and row["reason"] is None and row["anchor"] is not None}
     for node in raised.graph.nodes:
         if node.name in moved:
-            node.meta["fsdp_prefetch_anchor"] = moved[node.name]
+            node.meta[tags.PREFETCH_ANCHOR] = moved[node.name]
     return ScheduleResult(raised, program, str(manager), result, timer)
 
 
@@ -108,11 +109,11 @@ def overlap_param_gather(graph_module: fx.GraphModule, config) -> fx.GraphModule
     new_graph = done.graph_module.graph
     for node in new_graph.nodes:
         if node.name in anchors:
-            node.meta["fsdp_prefetch_anchor"] = anchors[node.name]
+            node.meta[tags.PREFETCH_ANCHOR] = anchors[node.name]
     graph_module.graph = new_graph
     graph_module.recompile()
     counts = {"forward": prefetch["forward"], "backward": prefetch["backward"], "sunk": sink["sunk"]}
-    graph_module.meta["fsdp_prefetch"] = counts
+    graph_module.meta[tags.PREFETCH_COUNTS] = counts
     LOG.info("FSDP parameter prefetch: forward=%d backward=%d sunk=%d budget_bytes=%d depths=(%d, %d)",
              counts["forward"], counts["backward"], counts["sunk"], int(budget * 2**30), forward, backward)
     return graph_module

@@ -26,11 +26,10 @@ from typing import Any
 import attrs
 
 from ..ir.gcpause import gc_paused
+from ..ir.opclass import MATMULS, is_attention, is_attention_backward, op_name  # noqa: F401  (re-exported)
 from ..ir import Constant, Input, Launch, Marker, Op, Output, Program, Free, View, Wait
 from .hardware import H100, Hardware, hardware
 
-MATMULS = frozenset({"mm", "addmm", "bmm", "matmul", "linear", "baddbmm"})
-ATTENTION_NAMES = ("scaled_dot_product", "flash_attention", "npu_fusion_attention")
 ZERO_COST = (View, Wait, Marker, Input, Constant, Output, Free)
 #: ops that hold storage for the whole step (and cost nothing)
 STATIC = (Input, Constant)
@@ -44,24 +43,6 @@ DEFAULT_GROUP_SIZE = 8
 
 
 # ---- what an op does -------------------------------------------------------------------
-
-def op_name(target: str) -> str:
-    """`aten.mm.default` -> `mm`; `aten::addmm` -> `addmm`; `torch._C._nn.linear` -> `linear`."""
-    parts = target.replace("::", ".").split(".")
-    if len(parts) >= 2 and parts[0] in ("aten", "prims", "_c10d_functional", "c10d_functional", "npu"):
-        return parts[1]
-    return parts[-1]
-
-
-def is_attention(target: str) -> bool:
-    return any(a in target for a in ATTENTION_NAMES)
-
-
-def is_attention_backward(target: str) -> bool:
-    """Backward attention: the target says `backward` (aten) or ends in `_grad` (npu_fusion_attention_grad)."""
-    name = op_name(target)
-    return "backward" in target or name.endswith("_grad")
-
 
 def _types(program: Program, name: str):
     return program.graph.nodes[name]["op"].types

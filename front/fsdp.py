@@ -1,5 +1,5 @@
 """FSDP front: trace a module into a joint forward/backward fx graph tagged as an FSDP graph
-pass leaves it (SPEC.md, "Input contract"); ``fsdp_joint_graph`` is the entry point."""
+pass leaves it (docs/design.md, "The input fxsched expects"); ``fsdp_joint_graph`` is the entry point."""
 
 from __future__ import annotations
 
@@ -14,6 +14,8 @@ import torch.distributed._functional_collectives  # noqa: F401  registers autogr
 from torch import fx, nn
 from torch.fx.experimental.proxy_tensor import get_proxy_mode, make_fx
 from torch.fx.passes.shape_prop import _extract_tensor_metadata
+
+from ..ir import tags
 
 __all__ = [
     "DEFAULT_GROUP_NAME",
@@ -365,7 +367,7 @@ def _alias_closure(root: fx.Node, stop: Callable[[fx.Node], bool] | None = None)
 
 
 def _is_backward(node: fx.Node) -> bool:
-    return bool(node.meta.get("autograd_backward", False))
+    return bool(node.meta.get(tags.AUTOGRAD_BACKWARD, False))
 
 
 def _after_outputs(node: fx.Node, order: dict[fx.Node, int]) -> fx.Node:
@@ -408,9 +410,9 @@ def _tag(gm: fx.GraphModule, plan: _Plan, boundary: str) -> list[_Gather]:
     for node in graph.nodes:
         if node.op == "output":
             # The output hands back the gradients: it closes the backward phase.
-            node.meta["autograd_backward"] = True
+            node.meta[tags.AUTOGRAD_BACKWARD] = True
         else:
-            node.meta["autograd_backward"] = in_backward
+            node.meta[tags.AUTOGRAD_BACKWARD] = in_backward
         in_backward = in_backward or node.name == boundary
 
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
@@ -429,10 +431,10 @@ def _tag(gm: fx.GraphModule, plan: _Plan, boundary: str) -> list[_Gather]:
             continue  # not a parameter gather (e.g. the model's own collective): left untagged
         (wait,) = node.users
         nbytes = node.meta["val"].numel() * node.meta["val"].dtype.itemsize
-        node.meta.update(comm_type="fsdp_all_gather", fsdp_unsharded_nbytes=int(nbytes))
+        node.meta.update(comm_type=tags.ALL_GATHER, fsdp_unsharded_nbytes=int(nbytes))
         if bucket is None:
             (name,) = names
-            node.meta["param_name"] = name
+            node.meta[tags.PARAM_NAME] = name
             gathers.append(_Gather(node, name, None, nbytes, {name: wait}))
             continue
         node.meta.update(
@@ -446,7 +448,7 @@ def _tag(gm: fx.GraphModule, plan: _Plan, boundary: str) -> list[_Gather]:
         if len(copies) != len(bucket.members):
             raise AssertionError(f"bucket {bucket.bucket_id}: found {len(copies)} copy-outs")
         for copy in copies:
-            copy.meta["fsdp_bucket_copy_out"] = bucket.bucket_id
+            copy.meta[tags.BUCKET_COPY_OUT] = bucket.bucket_id
         gathers.append(_Gather(node, bucket.bucket_id, bucket, nbytes, dict(zip(bucket.members, copies))))
 
     # A reduce-scatter belongs to the parameters whose gradient outputs it feeds.
@@ -469,9 +471,9 @@ def _tag(gm: fx.GraphModule, plan: _Plan, boundary: str) -> list[_Gather]:
         if len(buckets) != 1 or (None in buckets and len(names) != 1):
             continue  # feeds no gradient output, or several unrelated ones: not a parameter's
         (bucket,) = buckets
-        node.meta["comm_type"] = "fsdp_reduce_scatter"
+        node.meta[tags.COMM_TYPE] = tags.REDUCE_SCATTER
         if bucket is None:
-            node.meta["param_name"] = next(iter(names))
+            node.meta[tags.PARAM_NAME] = next(iter(names))
         else:
             node.meta.update(
                 param_name=bucket.bucket_id,
@@ -512,7 +514,7 @@ def _reshard(gm: fx.GraphModule, gathers: list[_Gather], inserted: list[fx.Node]
             readers = set(closure)
             readers.update(u for n in closure for u in n.users if not _is_backward(u))
             last = _after_outputs(max(readers, key=order.__getitem__), order)
-            free_after(last, [g.roots[name]], _free_meta("fsdp_reshard_free", name, g, False))
+            free_after(last, [g.roots[name]], _free_meta(tags.RESHARD_FREE, name, g, False))
 
         backward_uses = {
             name: [(u, n) for n in closure for u in n.users if _is_backward(u)]
@@ -551,20 +553,20 @@ def _reshard(gm: fx.GraphModule, gathers: list[_Gather], inserted: list[fx.Node]
             readers = set(closure)
             readers.update(u for n in closure for u in n.users)
             last = _after_outputs(max(readers, key=lambda n: order.get(n, -1)), order)
-            free_after(last, [new_roots[name]], _free_meta("fsdp_reshard_free_backward", name, g, True))
+            free_after(last, [new_roots[name]], _free_meta(tags.RESHARD_FREE_BACKWARD, name, g, True))
 
 
 def _phase_copy(meta: dict) -> dict:
     # Values are recomputed (fresh storages); eager_input_vals would point at forward values.
     kept = {k: v for k, v in meta.items() if k not in ("val", "tensor_meta", "seq_nr", "eager_input_vals")}
-    kept["autograd_backward"] = True
+    kept[tags.AUTOGRAD_BACKWARD] = True
     return kept
 
 
 def _free_meta(comm_type: str, name: str, g: _Gather, backward: bool) -> dict:
-    meta = {"comm_type": comm_type, "param_name": name, "autograd_backward": backward, "val": None}
+    meta = {tags.COMM_TYPE: comm_type, tags.PARAM_NAME: name, tags.AUTOGRAD_BACKWARD: backward, "val": None}
     if g.bucket is not None:
-        meta["fsdp_bucket_id"] = g.bucket.bucket_id
+        meta[tags.BUCKET_ID] = g.bucket.bucket_id
     return meta
 
 
@@ -574,9 +576,9 @@ def _regather(g: _Gather, needed: list[str], new_node) -> dict[str, fx.Node]:
     launch_meta = {
         k: v
         for k, v in old.meta.items()
-        if k in ("param_name", "fsdp_unsharded_nbytes", "fsdp_bucket_id", "fsdp_bucket_members")
+        if k in (tags.PARAM_NAME, tags.UNSHARDED_NBYTES, tags.BUCKET_ID, tags.BUCKET_MEMBERS)
     }
-    launch_meta.update(comm_type="fsdp_all_gather_backward", autograd_backward=True)
+    launch_meta.update(comm_type=tags.ALL_GATHER_BACKWARD, autograd_backward=True)
 
     def copy_chain(node: fx.Node) -> fx.Node:
         # The pack / cast DAG between the shard placeholders and the gather.
@@ -660,7 +662,7 @@ def fsdp_joint_graph(
     of lists of parameter names (parameters not listed are gathered alone). Module buffers
     become graph constants. Each parameter is gathered at its first read in the forward.
 
-    Tags (``node.meta``), beyond SPEC.md's contract:
+    Tags (``node.meta``), beyond that contract:
 
     - every node: ``autograd_backward`` (bool; the output node counts as backward) and
       ``val`` (``None`` for frees);

@@ -1,5 +1,5 @@
-"""Synthetic tagged FSDP joint forward+backward FX graphs of a requested size (SPEC.md input
-contract), written node by node with fx.Graph.call_function: 100k nodes, with vals, in seconds."""
+"""Synthetic tagged FSDP joint forward+backward FX graphs of a requested size (the input
+contract of docs/design.md), written node by node with fx.Graph.call_function: 100k nodes, with vals, in seconds."""
 
 from __future__ import annotations
 
@@ -14,6 +14,8 @@ from typing import Any
 import torch
 import torch.fx as fx
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+
+from ..ir import tags
 
 __all__ = ["generate_graph", "release_storage", "min_nodes"]
 
@@ -291,10 +293,10 @@ class _Builder:
 
     # ---- emission helpers -------------------------------------------------------------
     def op(self, target: Any, *args: Any, meta: dict | None = None, **kwargs: Any) -> Any:
-        tags = dict(meta) if meta else {}
+        node_meta = dict(meta) if meta else {}
         if self.backward:
-            tags["autograd_backward"] = True
-        return self.sink.op(target, args, kwargs, tags)
+            node_meta[tags.AUTOGRAD_BACKWARD] = True
+        return self.sink.op(target, args, kwargs, node_meta)
 
     def items(self, value: Any, count: int) -> list[Any]:
         return [self.op(operator.getitem, value, i) for i in range(count)]
@@ -318,16 +320,16 @@ class _Builder:
     def gather(self, groups: Sequence[Sequence[_Param]], bucket_prefix: str) -> None:
         """All-gather each group (a parameter, or a bucket) and realise its parameters' views."""
         cfg = self.cfg
-        comm_type = "fsdp_all_gather_backward" if self.backward else "fsdp_all_gather"
+        comm_type = tags.ALL_GATHER_BACKWARD if self.backward else tags.ALL_GATHER
         itemsize = cfg.dtype.itemsize
         for number, group in enumerate(groups):
             sources = [self.shard(p) for p in group]
             if len(group) == 1:
                 param = group[0]
                 meta = {
-                    "comm_type": comm_type,
-                    "param_name": param.name,
-                    "fsdp_unsharded_nbytes": cfg.world_size * param.shard * itemsize,
+                    tags.COMM_TYPE: comm_type,
+                    tags.PARAM_NAME: param.name,
+                    tags.UNSHARDED_NBYTES: cfg.world_size * param.shard * itemsize,
                 }
                 launch = self.op(ALL_GATHER, sources[0], cfg.world_size, cfg.group_name, meta=meta)
                 self.live[param.name] = self.unflatten(self.op(WAIT, launch), param)
@@ -337,11 +339,11 @@ class _Builder:
             bucket = f"{bucket_prefix}bucket{number}" + (".backward" if self.backward else "")
             total = sum(p.shard for p in group)
             meta = {
-                "comm_type": comm_type,
-                "param_name": bucket,
-                "fsdp_unsharded_nbytes": cfg.world_size * total * itemsize,
-                "fsdp_bucket_id": bucket,
-                "fsdp_bucket_members": tuple(p.name for p in group),
+                tags.COMM_TYPE: comm_type,
+                tags.PARAM_NAME: bucket,
+                tags.UNSHARDED_NBYTES: cfg.world_size * total * itemsize,
+                tags.BUCKET_ID: bucket,
+                tags.BUCKET_MEMBERS: tuple(p.name for p in group),
             }
             packed = self.op(aten.cat.default, sources)
             launch = self.op(ALL_GATHER, packed, cfg.world_size, cfg.group_name, meta=meta)
@@ -351,7 +353,7 @@ class _Builder:
                 part = self.op(aten.slice.Tensor, rows, 1, offset, offset + param.shard)
                 copy = self.op(
                     aten.clone.default, part, memory_format=torch.contiguous_format,
-                    meta={"fsdp_bucket_copy_out": bucket},
+                    meta={tags.BUCKET_COPY_OUT: bucket},
                 )
                 flat = self.op(aten.view.default, copy, [cfg.world_size * param.shard])
                 self.live[param.name] = self.unflatten(flat, param)
@@ -370,9 +372,9 @@ class _Builder:
         """Free unsharded storage after its last reader (in forward only when resharding)."""
         if not self.backward and not self.cfg.reshard:
             return
-        comm_type = "fsdp_reshard_free_backward" if self.backward else "fsdp_reshard_free"
+        comm_type = tags.RESHARD_FREE_BACKWARD if self.backward else tags.RESHARD_FREE
         for name in names:
-            self.op(release_storage, self.live.pop(name), meta={"comm_type": comm_type, "param_name": name})
+            self.op(release_storage, self.live.pop(name), meta={tags.COMM_TYPE: comm_type, tags.PARAM_NAME: name})
 
     def release_rest(self, params: Iterable[_Param]) -> None:
         self.release(*[p.name for p in params if p.name in self.live])
@@ -385,7 +387,7 @@ class _Builder:
         padding = param.shard * cfg.world_size - param.numel
         if padding:
             flat = self.op(aten.constant_pad_nd.default, flat, [0, padding])
-        meta = {"comm_type": "fsdp_reduce_scatter", "param_name": param.name}
+        meta = {tags.COMM_TYPE: tags.REDUCE_SCATTER, tags.PARAM_NAME: param.name}
         launch = self.op(REDUCE_SCATTER, flat, "sum", cfg.world_size, cfg.group_name, meta=meta)
         self.grads[param.name] = self.op(WAIT, launch)
 
@@ -456,7 +458,7 @@ class _Builder:
         saved = self.saved.pop(layer.index)
         if layer.barrier:
             # A node the graph's producer marks as a barrier (e.g. a loss-scale sync point).
-            grad = self.op(aten.mul.Tensor, grad, 1.0, meta={"barrier": True})
+            grad = self.op(aten.mul.Tensor, grad, 1.0, meta={tags.BARRIER: True})
         if cfg.reshard:
             self.gather(layer.backward_groups, pre)
         P = {name[len(pre):]: self.live.get(name) for name in (p.name for p in layer.params)}
@@ -635,11 +637,11 @@ def _corrupt_sizes(graph: fx.Graph, fraction: float, seed: int) -> None:
         meta = gathers[index].meta
         how = rng.choice(("drop", "bool", "negative"))
         if how == "drop":
-            del meta["fsdp_unsharded_nbytes"]
+            del meta[tags.UNSHARDED_NBYTES]
         elif how == "bool":
-            meta["fsdp_unsharded_nbytes"] = True
+            meta[tags.UNSHARDED_NBYTES] = True
         else:
-            meta["fsdp_unsharded_nbytes"] = -meta["fsdp_unsharded_nbytes"] - 1
+            meta[tags.UNSHARDED_NBYTES] = -meta[tags.UNSHARDED_NBYTES] - 1
 
 
 def min_nodes(**options: Any) -> int:

@@ -36,6 +36,7 @@ from torch import fx
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
 from ..lowering.structural import tag_fsdp_collectives, untag_fsdp_gathers
+from ..ir import tags
 from ..passes import DEFAULT_PIPELINE, PassManager
 
 __all__ = ["HOOK", "RECORDS", "FxschedInductorPass", "compile_options", "graph_phase", "schedule_graph_in_place"]
@@ -74,7 +75,7 @@ def graph_phase(graph: fx.Graph) -> str:
     calls = [n for n in graph.nodes if n.op == "call_function"]
     if any(n.op == "placeholder" and str(n.target).startswith("tangents") for n in graph.nodes):
         return "backward"
-    return "backward" if calls and all(n.meta.get("autograd_backward") for n in calls) else "forward"
+    return "backward" if calls and all(n.meta.get(tags.AUTOGRAD_BACKWARD) for n in calls) else "forward"
 
 
 @contextlib.contextmanager
@@ -83,20 +84,20 @@ def _uniform_phase(graph: fx.Graph, phase: str | None):
     if phase is None:
         yield
         return
-    saved = [(n, n.meta.get("autograd_backward", _ABSENT)) for n in graph.nodes if n.op != "placeholder"]
+    saved = [(n, n.meta.get(tags.AUTOGRAD_BACKWARD, _ABSENT)) for n in graph.nodes if n.op != "placeholder"]
     for node, _ in saved:
         if phase == "backward":
-            node.meta["autograd_backward"] = True
+            node.meta[tags.AUTOGRAD_BACKWARD] = True
         else:
-            node.meta.pop("autograd_backward", None)
+            node.meta.pop(tags.AUTOGRAD_BACKWARD, None)
     try:
         yield
     finally:
         for node, value in saved:
             if value is _ABSENT:
-                node.meta.pop("autograd_backward", None)
+                node.meta.pop(tags.AUTOGRAD_BACKWARD, None)
             else:
-                node.meta["autograd_backward"] = value
+                node.meta[tags.AUTOGRAD_BACKWARD] = value
 
 
 def _reorder_in_place(graph: fx.Graph, order: list[str]) -> bool:
@@ -165,7 +166,7 @@ def schedule_graph_in_place(graph: fx.Graph, pipeline: str = DEFAULT_PIPELINE, *
     anchors = {row["launch"]: row["anchor"] for row in done.report["gathers"] if row["moved"]}
     for node in graph.nodes:
         if node.name in anchors:
-            node.meta["fsdp_prefetch_anchor"] = anchors[node.name]
+            node.meta[tags.PREFETCH_ANCHOR] = anchors[node.name]
     owner.recompile()
     stats = done.report["passes"]
     return {

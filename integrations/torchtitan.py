@@ -35,6 +35,7 @@ from typing import Any
 
 from torch import fx
 
+from ..ir import tags
 from ..passes import DEFAULT_PIPELINE, PassManager
 from .inductor import schedule_graph_in_place
 
@@ -78,8 +79,8 @@ def fxsched_pass(pipeline: str = DEFAULT_PIPELINE, *, cost_model: Any = None, na
         record = schedule_graph_in_place(gm.graph, pipeline, cost_model=cost_model, verify_each=verify_each)
         if names:
             for node in gm.graph.nodes:
-                if node.meta.get("fsdp_structural") and node.meta.get("param_name") in names:
-                    node.meta["param_name"] = names[node.meta["param_name"]]
+                if node.meta.get(tags.STRUCTURAL) and node.meta.get(tags.PARAM_NAME) in names:
+                    node.meta[tags.PARAM_NAME] = names[node.meta[tags.PARAM_NAME]]
         runs.append(record)
         structural = record["structural"] or {}
         LOG.info("fxsched torchtitan pass: %d nodes: %d gathers and %d gradient reductions recognised, %d gathers "

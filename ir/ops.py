@@ -11,6 +11,8 @@ from typing import ClassVar
 
 import attrs
 
+from . import tags
+
 OP_KINDS: dict[str, type[Op]] = {}
 
 
@@ -22,9 +24,9 @@ class Phase(enum.Enum):
 class Role(enum.Enum):
     """What an FSDP graph pass said a collective is for (lowered from `comm_type`)."""
 
-    GATHER = "fsdp_all_gather"
-    REGATHER = "fsdp_all_gather_backward"
-    REDUCE_SCATTER = "fsdp_reduce_scatter"
+    GATHER = tags.ALL_GATHER
+    REGATHER = tags.ALL_GATHER_BACKWARD
+    REDUCE_SCATTER = tags.REDUCE_SCATTER
 
 
 def irop(keyword: str, *, movable: bool = True, effect: bool = False):

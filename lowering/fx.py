@@ -15,12 +15,13 @@ from torch import fx
 from ..ir import (DTYPE_BYTES, Barrier, EffectError, Cast, Compute, Constant, CopyOut, Free, Input, Launch, Op, Output, Phase, Program,
                   Role, Schedule, TensorType, View, Wait, derive_effects)
 from ..ir.gcpause import gc_paused
+from ..ir import tags
+from ..ir.holds import BUCKET_WITHOUT_MEMBERS, NO_PARAMETER_NAME
+from ..ir.opclass import is_attention, is_heavy
 
-GATHER_TAGS = {"fsdp_all_gather": Role.GATHER, "fsdp_all_gather_backward": Role.REGATHER}
-FREE_TAGS = ("fsdp_reshard_free", "fsdp_reshard_free_backward")
-REDUCE_SCATTER_TAG = "fsdp_reduce_scatter"
-HEAVY_OPS = {"aten.mm", "aten.addmm", "aten.bmm", "aten.matmul", "aten.linear"}
-ATTENTION_NAMES = ("scaled_dot_product", "flash_attention", "npu_fusion_attention")
+GATHER_TAGS = {tags.ALL_GATHER: Role.GATHER, tags.ALL_GATHER_BACKWARD: Role.REGATHER}
+FREE_TAGS = (tags.RESHARD_FREE, tags.RESHARD_FREE_BACKWARD)
+REDUCE_SCATTER_TAG = tags.REDUCE_SCATTER
 CAST_OPS = {"prims::convert_element_type", "aten::_to_copy"}
 COLLECTIVE_NAMESPACES = ("_c10d_functional", "c10d_functional")
 
@@ -87,7 +88,7 @@ def _classify(op: str, target) -> _Target:
         schema is not None and not schema.is_mutable and bool(schema.returns)
         and schema.returns[0].alias_info is not None and not schema.returns[0].alias_info.is_write)
     arguments = [a.name for a in schema.arguments] if schema is not None else []
-    attention = call and any(a in name for a in ATTENTION_NAMES)
+    attention = call and is_attention(name)
     return _Target(
         name=name,
         schema=schema,
@@ -102,7 +103,7 @@ def _classify(op: str, target) -> _Target:
         cast=schema is not None and schema.name in CAST_OPS,
         random=isinstance(target, torch._ops.OpOverload) and torch.Tag.nondeterministic_seeded in target.tags,
         clone=call and target is torch.ops.aten.clone.default,
-        heavy=attention or (call and (name in HEAVY_OPS or name.rsplit(".", 1)[0] in HEAVY_OPS)),
+        heavy=call and is_heavy(name),
         attention=attention,
         group_at=arguments.index("group_name") if "group_name" in arguments else None,
         group_size_at=len(arguments) - 1 - arguments[::-1].index("group_size") if "group_size" in arguments else None,
@@ -153,7 +154,7 @@ def value_types(node: fx.Node, cache: dict | None = None) -> tuple[TensorType, .
 
 
 def _nbytes(node: fx.Node, notes: list[str]) -> int | None:
-    value = node.meta.get("fsdp_unsharded_nbytes")
+    value = node.meta.get(tags.UNSHARDED_NBYTES)
     if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
         return value
     notes.append(f"%{node.name}: fsdp_unsharded_nbytes={value!r} is not a non-negative int: size unknown")
@@ -188,7 +189,7 @@ class _Lowering:
             len(node.users) != 1 or not self.target(next(iter(node.users))).wait)
 
     def phase(self, node: fx.Node) -> Phase:
-        if node.meta.get("autograd_backward"):
+        if node.meta.get(tags.AUTOGRAD_BACKWARD):
             self.backward_seen = True
             return Phase.BACKWARD
         if self.backward_seen:  # forward ops past the first backward one join the backward phase
@@ -211,8 +212,8 @@ class _Lowering:
         info = self.target(node)
         target = info.name
         meta = node.meta
-        comm_type = meta.get("comm_type")
-        if meta.get("barrier"):
+        comm_type = meta.get(tags.COMM_TYPE)
+        if meta.get(tags.BARRIER):
             return Barrier(target=target, reason="tagged barrier", heavy=info.heavy, attention=info.attention, **base)
         if comm_type in GATHER_TAGS and info.all_gather:
             return self.gather(node, target, GATHER_TAGS[comm_type], base)
@@ -231,8 +232,8 @@ class _Lowering:
                           **base)
         if comm_type in GATHER_TAGS:
             self.notes.append(f"%{node.name}: comm_type={comm_type!r} on {target}, not a collective: ignored")
-        if info.clone and meta.get("fsdp_bucket_copy_out") is not None:
-            return CopyOut(target=target, bucket=str(meta["fsdp_bucket_copy_out"]), **base)
+        if info.clone and meta.get(tags.BUCKET_COPY_OUT) is not None:
+            return CopyOut(target=target, bucket=str(meta[tags.BUCKET_COPY_OUT]), **base)
         if info.view:
             return View(target=target, **base)
         mutates = info.mutable or (info.packet and _packet_mutates(node))
@@ -247,36 +248,36 @@ class _Lowering:
         users = list(node.users)
         if len(users) != 1 or not self.target(users[0]).wait:
             raise LoweringError(
-                f"FSDP gather %{node.name} ({node.meta['comm_type']}) must have exactly one user, a wait_tensor; "
+                f"FSDP gather %{node.name} ({node.meta[tags.COMM_TYPE]}) must have exactly one user, a wait_tensor; "
                 f"it has {[u.name for u in users]}")
         meta = node.meta
         hold = None
-        bucket = meta.get("fsdp_bucket_id")
+        bucket = meta.get(tags.BUCKET_ID)
         if bucket is not None:
-            members = meta.get("fsdp_bucket_members")
+            members = meta.get(tags.BUCKET_MEMBERS)
             if not isinstance(members, (list, tuple)) or not members or not all(isinstance(m, str) for m in members):
                 self.notes.append(f"%{node.name}: bucket {bucket!r} has no valid fsdp_bucket_members ({members!r}): not moved")
-                params, hold = (), "bucket without members"
+                params, hold = (), BUCKET_WITHOUT_MEMBERS
             else:
                 params = tuple(members)
             bucket = str(bucket)
         else:
-            name = meta.get("param_name")
+            name = meta.get(tags.PARAM_NAME)
             if isinstance(name, str) and name:
                 params = (name,)
             else:
                 self.notes.append(f"%{node.name}: param_name={name!r} is not a name: not moved")
-                params, hold = (), "no parameter name"
+                params, hold = (), NO_PARAMETER_NAME
         info = self.target(node)
         return Launch(target=target, group=_group(node, info), group_size=_group_size(node, info), role=role,
                       nbytes=_nbytes(node, self.notes),
                       params=params, bucket=bucket, hold=hold,
-                      prefetched="fsdp_prefetch_anchor" in meta,  # moved by an earlier run
+                      prefetched=tags.PREFETCH_ANCHOR in meta,  # moved by an earlier run
                       **base)
 
     def free(self, node: fx.Node, target: str, base: dict) -> Op:
-        name = node.meta.get("param_name")
-        members = node.meta.get("fsdp_bucket_members")
+        name = node.meta.get(tags.PARAM_NAME)
+        members = node.meta.get(tags.BUCKET_MEMBERS)
         if isinstance(members, (list, tuple)) and members and all(isinstance(m, str) for m in members):
             params = tuple(members)
         elif isinstance(name, str) and name:

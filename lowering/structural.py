@@ -6,7 +6,7 @@ graphs as it sees tagged ones.
 
 A gather is recognised structurally: a functional `all_gather_into_tensor` whose input traces
 back, through single-input casts and views, to a graph input (the parameter's shard), and
-whose only user is a `wait_tensor`. It gets the tags of SPEC.md's input contract:
+whose only user is a `wait_tensor`. It gets the tags lowering reads (docs/design.md, "The input fxsched expects"):
 `comm_type` (`fsdp_all_gather`, or `fsdp_all_gather_backward` in the backward phase),
 `param_name` (the graph input's name) and `fsdp_unsharded_nbytes` (from the gather's
 `meta["val"]`; left out when unknown, so the budget holds the gather). A gather that already
@@ -37,14 +37,15 @@ import torch
 from torch import fx
 
 from .fx import COLLECTIVE_NAMESPACES, REDUCE_SCATTER_TAG
+from ..ir import tags
 
 __all__ = ["STRUCTURAL_TAG", "StructuralGather", "StructuralReduction", "StructuralResult", "find_fsdp_gathers",
            "find_gradient_reductions", "tag_fsdp_collectives", "tag_fsdp_gathers", "untag_fsdp_gathers"]
 
 #: set to True on the gathers this stage tagged (so the tags can be told apart, or removed)
-STRUCTURAL_TAG = "fsdp_structural"
-REDUCTION_TAG = "fsdp_gradient_reduction"  # the kind of a recognised gradient reduction
-_TAG_KEYS = ("comm_type", "param_name", "fsdp_unsharded_nbytes", REDUCTION_TAG, STRUCTURAL_TAG)
+STRUCTURAL_TAG = tags.STRUCTURAL
+REDUCTION_TAG = tags.GRADIENT_REDUCTION  # the kind of a recognised gradient reduction
+_TAG_KEYS = (tags.COMM_TYPE, tags.PARAM_NAME, tags.UNSHARDED_NBYTES, REDUCTION_TAG, STRUCTURAL_TAG)
 _REDUCTIONS = ("reduce_scatter_tensor", "all_reduce")
 _CASTS = {"prims::convert_element_type", "aten::_to_copy", "aten::to"}
 # single-input ops that re-lay out a shard without changing what it holds, though their schema
@@ -189,7 +190,7 @@ def _passes_gradient_through(node: fx.Node) -> bool:
 def _phase(node: fx.Node, phase: str | None) -> str:
     if phase is not None:
         return phase
-    return "backward" if node.meta.get("autograd_backward") else "forward"
+    return "backward" if node.meta.get(tags.AUTOGRAD_BACKWARD) else "forward"
 
 
 def _check_args(phase: str | None, groups) -> frozenset[str] | None:
@@ -210,8 +211,8 @@ def find_fsdp_gathers(graph: fx.Graph | fx.GraphModule, *, phase: str | None = N
     for node in graph.nodes:
         if not _is_collective(node, "all_gather_into_tensor"):
             continue
-        if node.meta.get("comm_type") is not None and not node.meta.get(STRUCTURAL_TAG):
-            yield node, None, f"already tagged comm_type={node.meta['comm_type']!r}"
+        if node.meta.get(tags.COMM_TYPE) is not None and not node.meta.get(STRUCTURAL_TAG):
+            yield node, None, f"already tagged comm_type={node.meta[tags.COMM_TYPE]!r}"
             continue
         if groups is not None and _group(node) not in groups:
             yield node, None, f"its group {_group(node)!r} is not one of the FSDP groups {sorted(groups)}"
@@ -281,8 +282,8 @@ def find_gradient_reductions(graph: fx.Graph | fx.GraphModule, *, phase: str | N
         kind = _reduction_kind(node)
         if kind is None:
             continue
-        if node.meta.get("comm_type") is not None and not node.meta.get(STRUCTURAL_TAG):
-            yield node, None, f"already tagged comm_type={node.meta['comm_type']!r}"
+        if node.meta.get(tags.COMM_TYPE) is not None and not node.meta.get(STRUCTURAL_TAG):
+            yield node, None, f"already tagged comm_type={node.meta[tags.COMM_TYPE]!r}"
             continue
         if groups is not None and _group(node) not in groups:
             yield node, None, f"its group {_group(node)!r} is not one of the FSDP groups {sorted(groups)}"
@@ -324,19 +325,19 @@ def tag_fsdp_collectives(graph: fx.Graph | fx.GraphModule, *, phase: str | None 
             if found is None:
                 result.skipped.append((node.name, reason))
                 continue
-            node.meta.update({"comm_type": REDUCE_SCATTER_TAG, REDUCTION_TAG: found.kind, STRUCTURAL_TAG: True})
+            node.meta.update({tags.COMM_TYPE: REDUCE_SCATTER_TAG, REDUCTION_TAG: found.kind, STRUCTURAL_TAG: True})
             result.reductions.append(found)
     for node, gather, reason in list(find_fsdp_gathers(graph, phase=phase, groups=groups)):
         if gather is None:
             result.skipped.append((node.name, reason))
             continue
         meta = node.meta
-        meta["comm_type"] = "fsdp_all_gather_backward" if gather.phase == "backward" else "fsdp_all_gather"
-        meta["param_name"] = gather.param_name
+        meta[tags.COMM_TYPE] = tags.ALL_GATHER_BACKWARD if gather.phase == "backward" else tags.ALL_GATHER
+        meta[tags.PARAM_NAME] = gather.param_name
         if gather.nbytes is None:
-            meta.pop("fsdp_unsharded_nbytes", None)
+            meta.pop(tags.UNSHARDED_NBYTES, None)
         else:
-            meta["fsdp_unsharded_nbytes"] = gather.nbytes
+            meta[tags.UNSHARDED_NBYTES] = gather.nbytes
         meta[STRUCTURAL_TAG] = True
         result.tagged.append(gather)
     if result.tagged or result.reductions or result.skipped:

@@ -13,7 +13,8 @@ import dataclasses
 import attrs
 
 from ..ir import Launch, Phase, Program
-from .base import ModulePass, PassContext, PassResult, check_depth, register_pass
+from ..ir.holds import DEPTH_0, FIRST_GROUP, NO_CONSUMER
+from .base import ModulePass, PassContext, PassResult, check_depth, option, register_pass
 from .gathers import Gather, GatherAnalysis, held_by_lowering
 
 
@@ -24,9 +25,9 @@ class Anchor(ModulePass):
     preserves = (GatherAnalysis,)
     reorders_only = True
 
-    forward_depth: int = 1
-    backward_depth: int = 1
-    attention: bool = True
+    forward_depth: int = option(1, "launch each forward gather group this many consumer groups early (0: no prefetch)")
+    backward_depth: int = option(1, "the same in the backward")
+    attention: bool = option(True, "also anchor over the heavy ops between attention nodes")
 
     def __post_init__(self):
         check_depth(self.name, "forward-depth", self.forward_depth)
@@ -34,10 +35,10 @@ class Anchor(ModulePass):
 
     def apply(self, ctx: PassContext, program: Program) -> PassResult:
         analysis = ctx.get(GatherAnalysis, program)
-        stats = {"anchored": 0, "first group": 0, "depth 0": 0, "no consumer": len(analysis.unconsumed)}
+        stats = {"anchored": 0, FIRST_GROUP: 0, DEPTH_0: 0, NO_CONSUMER: len(analysis.unconsumed)}
         updates: dict[str, Launch] = {}
         for name in analysis.unconsumed:
-            updates[name] = _set(program.op(name), None, "no consumer")
+            updates[name] = _set(program.op(name), None, NO_CONSUMER)
         for phase, depth in ((Phase.FORWARD, self.forward_depth), (Phase.BACKWARD, self.backward_depth)):
             gathers = [g for g in analysis.gathers if g.phase is phase]
             anchors = self._anchors(program, gathers, phase, depth) if depth else {}
@@ -46,11 +47,11 @@ class Anchor(ModulePass):
                 if held_by_lowering(op):
                     continue  # malformed tags: leave its reason
                 if depth == 0:
-                    reason = "depth 0"
+                    reason = DEPTH_0
                 elif g.launch in anchors:
                     reason = None
                 else:
-                    reason = "first group"
+                    reason = FIRST_GROUP
                 stats["anchored" if reason is None else reason] += 1
                 updates[g.launch] = _set(op, anchors.get(g.launch), reason)
         changed = False

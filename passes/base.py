@@ -7,7 +7,9 @@ which a PassContext computes once and keeps until a pass that does not preserve 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
+import typing
 from typing import Any, ClassVar
 
 import attrs
@@ -75,6 +77,15 @@ class ModulePass:
         """Option fields by their kebab-case text name."""
         return {f.name.replace("_", "-"): f for f in dataclasses.fields(cls)}
 
+    @classmethod
+    def option_type(cls, text_name: str) -> type:
+        """The option's type, from its annotation (bool, int, float or str)."""
+        return _annotations(cls)[cls.options()[text_name].name]
+
+    @classmethod
+    def option_help(cls, text_name: str) -> str:
+        return cls.options()[text_name].metadata.get("help", "")
+
     def __str__(self) -> str:
         """The canonical text: options that differ from their defaults, in declaration order."""
         parts = []
@@ -83,6 +94,19 @@ class ModulePass:
             if value != f.default:
                 parts.append(f"{text_name}={_format(value)}")
         return self.name + ("{" + ",".join(parts) + "}" if parts else "")
+
+
+def option(default: Any, help: str) -> Any:
+    """An option field with its help, which `fxsched passes` prints:
+
+        max_in_flight_gb: float = option(1.0, "unsharded GiB allowed in flight")
+    """
+    return dataclasses.field(default=default, metadata={"help": help})
+
+
+@functools.cache
+def _annotations(cls: type) -> dict[str, type]:
+    return typing.get_type_hints(cls)
 
 
 def _format(value) -> str:

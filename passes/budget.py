@@ -14,12 +14,11 @@ import dataclasses
 import attrs
 
 from ..ir import Launch, Program
-from .base import ModulePass, PassContext, PassResult, check_budget, register_pass
+from ..ir.holds import OVER_BUDGET, UNKNOWN_SIZE
+from .base import ModulePass, PassContext, PassResult, check_budget, option, register_pass
 from .gathers import Gather, GatherAnalysis
 from .placement import NO_EARLIER_SLOT, plan
 
-OVER_BUDGET = "over budget"
-UNKNOWN_SIZE = "unknown size"
 
 
 class MaxTree:
@@ -166,7 +165,7 @@ class Budget(ModulePass):
     preserves = (GatherAnalysis,)
     reorders_only = True
 
-    max_in_flight_gb: float = 1.0
+    max_in_flight_gb: float = option(1.0, "most unsharded GiB launched early and not yet consumed")
 
     def __post_init__(self):
         check_budget(self.name, "max-in-flight-gb", self.max_in_flight_gb)

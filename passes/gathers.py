@@ -11,18 +11,14 @@ from operator import itemgetter
 
 import attrs
 
-from ..ir import DATA, Cast, CopyOut, Input, Launch, Phase, Program, View, Wait
+from ..ir import DATA, Cast, CopyOut, Input, Launch, Phase, Program, View, Wait, holds
 from .base import Analysis
 
 
-# the holds scheduling passes set, and may set afresh on a later run; any other hold was set
-# by lowering for malformed tags and must survive every pass
-PASS_HOLDS = frozenset({"first group", "depth 0", "no consumer", "no earlier legal slot", "over budget",
-                        "unknown size", "hidden where it is", "cannot be hidden"})
-
-
 def held_by_lowering(op: Launch) -> bool:
-    return op.hold is not None and op.hold not in PASS_HOLDS
+    """Held by lowering for malformed tags (must survive every pass); any other hold is a
+    pass's, which a later run may set afresh (ir/holds.py)."""
+    return holds.held_by_lowering(op.hold)
 
 
 @attrs.frozen

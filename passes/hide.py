@@ -19,11 +19,10 @@ import attrs
 from ..cost.model import CostAnalysis
 from ..cost.simulate import stream_of
 from ..ir import Launch, Program
+from ..ir.holds import HIDDEN, NOT_HIDDEN  # NOT_HIDDEN: still anchored, as early as legal exposes the least
 from .base import ModulePass, PassContext, PassResult, register_pass
 from .gathers import Gather, GatherAnalysis, held_by_lowering
 
-HIDDEN = "hidden where it is"
-NOT_HIDDEN = "cannot be hidden"  # still anchored: as early as legal exposes the least
 
 
 @register_pass

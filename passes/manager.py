@@ -7,7 +7,6 @@ pipeline gives its canonical text. The manager verifies after each pass, and ins
 
 from __future__ import annotations
 
-import dataclasses
 import re
 import sys
 import time
@@ -80,15 +79,14 @@ def make_pass(name: str, options: str | None = None) -> ModulePass:
             raise PipelineError(f"pass {name!r} has no option {key!r}; options: {known}")
         if fields[key].name in kwargs:
             raise PipelineError(f"pass {name!r}: option {key!r} is given twice")
-        kwargs[fields[key].name] = _convert(name, key, fields[key], raw if sep else "true")
+        kwargs[fields[key].name] = _convert(name, key, cls.option_type(key), raw if sep else "true")
     try:
         return cls(**kwargs)
     except ValueError as exc:
         raise PipelineError(str(exc)) from exc
 
 
-def _convert(pass_name: str, key: str, field: dataclasses.Field, raw: str):
-    kind = type(field.default)
+def _convert(pass_name: str, key: str, kind: type, raw: str):
     article = "an" if kind.__name__[0] in "aeiou" else "a"
     try:
         if kind is bool:

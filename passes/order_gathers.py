@@ -18,7 +18,7 @@ import dataclasses
 import attrs
 
 from ..ir import Program
-from .base import ModulePass, PassContext, PassResult, check_budget, register_pass
+from .base import ModulePass, PassContext, PassResult, check_budget, option, register_pass
 from .budget import MaxTree
 from .gathers import Gather, GatherAnalysis, held_by_lowering
 
@@ -30,7 +30,7 @@ class OrderGathers(ModulePass):
     preserves = (GatherAnalysis,)
     reorders_only = True
 
-    max_in_flight_gb: float = 1.0
+    max_in_flight_gb: float = option(1.0, "most unsharded GiB launched early and not yet consumed")
 
     def __post_init__(self):
         check_budget(self.name, "max-in-flight-gb", self.max_in_flight_gb)

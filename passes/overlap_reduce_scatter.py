@@ -18,7 +18,7 @@ from __future__ import annotations
 import dataclasses
 
 from ..ir import Cast, Compute, Launch, Program, Role, View, Wait
-from .base import ModulePass, PassContext, PassResult, check_budget, register_pass
+from .base import ModulePass, PassContext, PassResult, check_budget, option, register_pass
 from .budget import MaxTree
 from .gathers import GatherAnalysis
 from .sink import sink_in_order
@@ -31,8 +31,8 @@ class OverlapReduceScatter(ModulePass):
     preserves = (GatherAnalysis,)
     reorders_only = True
 
-    max_in_flight_gb: float = 1.0
-    hoist: bool = True
+    max_in_flight_gb: float = option(1.0, "most gradient GiB in flight between reduce-scatter launches and their waits")
+    hoist: bool = option(True, "launch each reduce-scatter as soon as its gradient is ready (false: where it is)")
 
     def __post_init__(self):
         check_budget(self.name, "max-in-flight-gb", self.max_in_flight_gb)

@@ -10,9 +10,9 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 
 from ..ir import Launch, Program, Schedule
+from ..ir.holds import NO_EARLIER_SLOT  # noqa: F401  (budget and prefetch import it from here)
 from .gathers import Gather, GatherAnalysis
 
-NO_EARLIER_SLOT = "no earlier legal slot"
 
 
 def plan(program: Program, analysis: GatherAnalysis, schedule: Schedule,

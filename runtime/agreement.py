@@ -26,14 +26,15 @@ import torch.distributed as dist
 from torch import fx
 
 from ..ir import Launch
+from ..ir import tags
 from ..lowering.fx import target_name, value_types
 
 __all__ = ["ScheduleMismatch", "check_ranks_agree", "collective_entries", "compare_entries", "describe", "fingerprint"]
 
 _VERSION = "fxsched-collectives-v1"
 _NAMESPACES = ("_c10d_functional", "c10d_functional", "c10d")
-_GATHER_TAGS = ("fsdp_all_gather", "fsdp_all_gather_backward")
-_ROLES = (*_GATHER_TAGS, "fsdp_reduce_scatter")
+_GATHER_TAGS = (tags.ALL_GATHER, tags.ALL_GATHER_BACKWARD)
+_ROLES = (*_GATHER_TAGS, tags.REDUCE_SCATTER)
 
 
 class ScheduleMismatch(RuntimeError):
@@ -80,14 +81,14 @@ def _names(value) -> list[str] | None:
 
 def _fx_entry(node: fx.Node) -> dict[str, Any]:
     meta = node.meta
-    comm_type = meta.get("comm_type")
+    comm_type = meta.get(tags.COMM_TYPE)
     role = comm_type if comm_type in _ROLES else None
     params: list[str] = []
     if comm_type in _GATHER_TAGS:  # as lowering reads them: a bucket's members, else the parameter
-        if meta.get("fsdp_bucket_id") is not None:
-            params = _names(meta.get("fsdp_bucket_members")) or []
+        if meta.get(tags.BUCKET_ID) is not None:
+            params = _names(meta.get(tags.BUCKET_MEMBERS)) or []
         else:
-            params = _names(meta.get("param_name")) or []
+            params = _names(meta.get(tags.PARAM_NAME)) or []
     group = _fx_arg(node, "group_name")
     size = _fx_arg(node, "group_size")
     return {

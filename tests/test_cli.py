@@ -77,7 +77,7 @@ def run(capsys, *argv):
 def test_passes_lists_options(capsys):
     code, out, _ = run(capsys, "passes")
     assert code == EXIT_OK
-    assert "anchor:" in out and "forward-depth (default 1)" in out
+    assert "anchor:" in out and "    forward-depth: int = 1\n" in out
     assert "reference pipeline: anchor,budget,prefetch,sink" in out and "default pipeline: " in out
 
 

@@ -11,7 +11,7 @@ import dataclasses
 import attrs
 
 from fxsched.ir import Compute, Program
-from fxsched.passes import ModulePass, PassContext, PassResult, register_pass
+from fxsched.passes import ModulePass, PassContext, PassResult, option, register_pass
 
 
 @register_pass
@@ -22,7 +22,7 @@ class MarkHeavy(ModulePass):
     name = "mark-heavy"
     reorders_only = True  # it updates op attributes only: no ops or edges added or removed
 
-    target: str = "aten.mm"
+    target: str = option("aten.mm", "computes with this target are marked heavy")
 
     def apply(self, ctx: PassContext, program: Program) -> PassResult:
         marked = 0

@@ -1,0 +1,40 @@
+"""Op classes by target name — matmuls, attention, heavy — in one place.
+
+Lowering marks ops `heavy` / `attention` with these (the anchor pass prefetches behind heavy
+ops and spreads over attention intervals), and the cost model prices the same ops as matmuls
+or attention: a target is heavy for both or for neither.
+"""
+
+from __future__ import annotations
+
+#: matmul-like ops by their short name (`aten.baddbmm.default` -> `baddbmm`)
+MATMULS = frozenset({"mm", "addmm", "bmm", "baddbmm", "matmul", "linear"})
+#: a target whose name holds one of these is attention (forward or backward)
+ATTENTION_NAMES = ("scaled_dot_product", "flash_attention", "npu_fusion_attention")
+_NAMESPACES = ("aten", "prims", "_c10d_functional", "c10d_functional", "npu")
+
+
+def op_name(target: str) -> str:
+    """`aten.mm.default` -> `mm`; `aten::addmm` -> `addmm`; `torch._C._nn.linear` -> `linear`."""
+    parts = target.replace("::", ".").split(".")
+    if len(parts) >= 2 and parts[0] in _NAMESPACES:
+        return parts[1]
+    return parts[-1]
+
+
+def is_matmul(target: str) -> bool:
+    return op_name(target) in MATMULS
+
+
+def is_attention(target: str) -> bool:
+    return any(a in target for a in ATTENTION_NAMES)
+
+
+def is_attention_backward(target: str) -> bool:
+    """Backward attention: the target says `backward` (aten) or ends in `_grad` (npu_fusion_attention_grad)."""
+    return "backward" in target or op_name(target).endswith("_grad")
+
+
+def is_heavy(target: str) -> bool:
+    """Compute worth hiding a gather behind: a matmul or attention."""
+    return is_matmul(target) or is_attention(target)
