@@ -17,7 +17,7 @@ __version__ = "0.1.0"
 _LAZY = {
     "ScheduleResult": "api", "gather_table": "api", "overlap_param_gather": "api",
     "reference_pipeline": "api", "schedule": "api",
-    "PassConfig": "config",
+    "PassConfig": "config", "explain_text": "report",
     "DEFAULT_PIPELINE": "passes.pipelines", "PIPELINES": "passes.pipelines", "REFERENCE_PIPELINE": "passes.pipelines",
 }
 

@@ -317,16 +317,13 @@ def _schedule(args) -> int:
 
 
 def _explain(args) -> int:
-    from .report import explain_lines, summary_line, write_json
+    from .report import explain_text, write_json
 
     check_hardware(args.hardware)
     progress = _progress(args)
     gm, done, structural = _schedule_graph(args, progress)
-    before = {n.name: i for i, n in enumerate(gm.graph.nodes)}
-    after = {n.name: i for i, n in enumerate(done.graph_module.graph.nodes)}
     print(f"fxsched explain {args.function} ({done.pipeline}):")
-    print(summary_line(done.report).strip())
-    print("\n".join(explain_lines(done.report, before, after)))
+    print(explain_text(done, gm))
     if args.json:
         report = done.report if structural is None else {**done.report, "structural": structural.as_dict()}
         write_json(args.json, report)
@@ -335,6 +332,7 @@ def _explain(args) -> int:
 
 def _passes(args) -> int:
     from .passes import PASSES, PIPELINES
+    from .passes.base import _format
     from .passes.plugins import load_entry_points
 
     load_entry_points()
@@ -344,7 +342,10 @@ def _passes(args) -> int:
         doc = ((sys.modules[cls.__module__].__doc__ or cls.__doc__ or "").strip().splitlines() or [""])[0]
         print(f"{name}: {doc.split(': ', 1)[-1]}")
         for text_name, field in cls.options().items():
-            print(f"    {text_name} (default {field.default!r})")
+            kind = cls.option_type(text_name)
+            print(f"    {text_name}: {getattr(kind, '__name__', kind)} = {_format(field.default)}")
+            if cls.option_help(text_name):
+                print(f"        {cls.option_help(text_name)}")
     for name, text in PIPELINES.items():
         print(f"{name} pipeline: {text}")
     return EXIT_OK

@@ -1,4 +1,4 @@
-"""PassConfig: the reference pass's configuration, validated as SPEC.md says."""
+"""PassConfig: the reference pass's configuration, validated as docs/design.md says."""
 
 from __future__ import annotations
 

@@ -48,8 +48,17 @@ def summary_line(report: dict) -> str:
     return text
 
 
-def explain_lines(report: dict, before: dict[str, int], after: dict[str, int]) -> list[str]:
-    """For each gather: moved or not, where to, and why; then the program's notes."""
+def explain_text(done, original=None) -> str:
+    """What `fxsched explain` prints for a ScheduleResult: the summary, then per gather moved or
+    not, where to, and why. With the GraphModule it was scheduled from, also how far each moved."""
+    before = {n.name: i for i, n in enumerate(original.graph.nodes)} if original is not None else None
+    after = {n.name: i for i, n in enumerate(done.graph_module.graph.nodes)}
+    lines = [summary_line(done.report).strip(), *explain_lines(done.report, before, after)]
+    return "\n".join(lines)
+
+
+def explain_lines(report: dict, before: dict[str, int] | None, after: dict[str, int]) -> list[str]:
+    """For each gather: moved or not, where to, and why (with `before`, how far); then the program's notes."""
     lines = []
     for row in report["gathers"]:
         head = (f"%{row['launch']} ({row['phase']}, {row['role']}, {', '.join(row['params']) or 'no parameter'}"
@@ -58,9 +67,10 @@ def explain_lines(report: dict, before: dict[str, int], after: dict[str, int]) -
         lines.append(head)
         name = row["launch"]
         if row["moved"]:
-            shift = before.get(name, 0) - after.get(name, 0)
             where = f"launches just before %{row['anchor']}" if row["anchor"] else "moved by an earlier run"
-            lines.append(f"    moved: {where} ({shift} nodes earlier than traced)")
+            if before is not None:
+                where += f" ({before.get(name, 0) - after.get(name, 0)} nodes earlier than traced)"
+            lines.append(f"    moved: {where}")
         elif row["reason"]:
             lines.append(f"    stays: {row['reason']}: {explain_hold(row['reason'])}")
         else:

@@ -1,13 +1,14 @@
-"""A deliberately naive oracle for SPEC.md's reference behaviour, stages 1-7, on a torch.fx Graph.
+"""A deliberately naive oracle for the reference behaviour, stages 1-7, on a torch.fx Graph.
 
-Written from SPEC.md's text ("Input contract" and "The reference behaviour, stage by stage"),
+Written from the description in docs/design.md ("The input fxsched expects" and "The reference
+behaviour, stage by stage"),
 not from fxsched's passes: no IR, no effect edges, no segment trees. The graph is a list of
 nodes; every question ("where is this node now?", "what is the last barrier before it?") is
 answered by re-indexing the whole graph. That is quadratic and meant to be: it is obviously
-what the SPEC says, and the differential test compares fxsched against it.
+what that description says, and the differential test compares fxsched against it.
 
-Reading choices where SPEC.md leaves room (each one is what the reference coverage print-out
-does too):
+Reading choices where the description leaves room (each one is what HyperParallel's pass does
+too):
 - interval consumers: an interval's consumers are those after its left attention node up to
   and including its right one, (left, right]; its heavy nodes are the closed [left, right];
   the first interval starts at the top of the graph and the last one ends at its bottom.
@@ -36,7 +37,7 @@ ATTENTION = ("scaled_dot_product", "flash_attention", "npu_fusion_attention")
 CASTS = ("prims::convert_element_type", "aten::_to_copy")
 
 
-# ---- recognising nodes (SPEC.md, "Input contract") --------------------------------------
+# ---- recognising nodes (docs/design.md, "The input fxsched expects") ---------------------
 
 def schema_of(node: fx.Node):
     if node.op != "call_function":
@@ -118,7 +119,7 @@ def nbytes_of(launch: fx.Node):
 
 
 def params_of(launch: fx.Node) -> list | None:
-    """The parameters a gather carries; None when its tags do not say (SPEC: then it does not move)."""
+    """The parameters a gather carries; None when its tags do not say (the conservative choice: then it does not move)."""
     if bucket_of(launch) is not None:
         members = launch.meta.get("fsdp_bucket_members")
         ok = isinstance(members, (list, tuple)) and members and all(isinstance(m, str) and m for m in members)
@@ -330,7 +331,7 @@ def sink(graph: fx.Graph, found: list[Found]) -> int:
 
 def run(gm: fx.GraphModule, enabled: bool = True, max_in_flight_gb: float = 1.0,
         forward_depth: int = 1, backward_depth: int = 1) -> fx.GraphModule:
-    """Schedule `gm` in place as SPEC.md says; returns it with `meta["fsdp_prefetch"]` set."""
+    """Schedule `gm` in place as docs/design.md says; returns it with `meta["fsdp_prefetch"]` set."""
     for name, depth in (("forward", forward_depth), ("backward", backward_depth)):
         if not isinstance(depth, int) or isinstance(depth, bool) or depth < 0:
             raise ValueError(f"fsdp_{name}_prefetch_depth must be a non-negative integer")

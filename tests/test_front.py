@@ -118,7 +118,7 @@ def nodes_of(gm: fx.GraphModule, comm_type: str) -> list[fx.Node]:
 
 
 def check_contract(result: FrontResult) -> None:
-    """Invariants SPEC.md's input contract promises, for any configuration."""
+    """Invariants the input contract (docs/design.md) promises, for any configuration."""
     gm = result.gm
     gm.graph.lint()
     nodes = list(gm.graph.nodes)

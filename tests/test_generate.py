@@ -115,7 +115,7 @@ def test_vals_match_fake_tensor_prop():
 
 
 def check_contract(gm, world_size=2):
-    """Structural facts of SPEC.md's input contract that hold for every option set."""
+    """Structural facts of the input contract (docs/design.md) that hold for every option set."""
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
     body = calls(gm)
     phases = [bool(n.meta.get("autograd_backward")) for n in body]

@@ -100,7 +100,7 @@ def _view(node: fx.Node) -> bool:
 
 
 def _barrier(node: fx.Node) -> bool:
-    """SPEC: a side-effecting or mutating call that is not a free or a functional collective, or
+    """The input contract: a side-effecting or mutating call that is not a free or a functional collective, or
     any node tagged `barrier`."""
     if node.meta.get("barrier"):
         return True

@@ -1,6 +1,6 @@
-"""Differential test: `fxsched.overlap_param_gather` against a naive oracle of SPEC.md.
+"""Differential test: `fxsched.overlap_param_gather` against a naive oracle of the reference behaviour.
 
-The oracle (tests/oracle.py) re-implements SPEC.md's reference behaviour directly on a
+The oracle (tests/oracle.py) re-implements the reference behaviour as docs/design.md describes it, directly on a
 torch.fx Graph, re-indexing the whole graph after every move. On hand-built graphs, random
 small graphs, graphs from `front/generate.py` and traced ones from the FSDP front, both must
 give the same node order, the same `meta["fsdp_prefetch"]` counts and the same
@@ -277,8 +277,8 @@ def regather_behind_free() -> fx.GraphModule:
 
 def forward_gather_read_in_backward() -> fx.GraphModule:
     """p1 is gathered in forward, read only in backward: its replica is in flight across the
-    phase boundary and counts against the backward prefetches' budget (SPEC: "over all
-    prefetched gathers"). Its wait and views stop sinking at the phase boundary."""
+    phase boundary and counts against the backward prefetches' budget (docs/design.md, stage 5: "over
+    every prefetched gather"). Its wait and views stop sinking at the phase boundary."""
     b = Builder()
     x = b.input("x")
     s = [b.input(f"s{i}") for i in range(4)]
@@ -293,7 +293,7 @@ def forward_gather_read_in_backward() -> fx.GraphModule:
 
 
 def malformed_names() -> fx.GraphModule:
-    """Gathers whose tags do not name their parameters are not moved (SPEC: conservative choice)."""
+    """Gathers whose tags do not name their parameters are not moved (the conservative choice)."""
     b = Builder()
     x = b.input("x")
     s = [b.input(f"s{i}") for i in range(4)]
@@ -305,7 +305,7 @@ def malformed_names() -> fx.GraphModule:
 
 
 def bucket_with_falsy_id() -> fx.GraphModule:
-    """Bucket id 0 is still a bucket (SPEC: "for a bucket meta["fsdp_bucket_id"]"); its pack moves."""
+    """Bucket id 0 is still a bucket (a bucket is any gather with `fsdp_bucket_id`); its pack moves."""
     b = Builder()
     x = b.input("x")
     s = [b.input(f"s{i}") for i in range(3)]
@@ -426,7 +426,7 @@ def test_switch_off_and_untagged_graphs_pass_through_unchanged():
 
 
 def test_the_result_does_not_depend_on_hash_order():
-    """SPEC: every rank must compute the same schedule; nothing may depend on hash order."""
+    """Every rank must compute the same schedule (docs/design.md, "Passes"); nothing may depend on hash order."""
     script = textwrap.dedent('''
         import importlib.util, sys
         spec = importlib.util.spec_from_file_location("under_test", sys.argv[1])
