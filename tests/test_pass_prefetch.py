@@ -1,11 +1,13 @@
-"""prefetch: each anchored, unheld launch chain goes to its earliest legal slot before its anchor."""
+"""prefetch: each anchored, unheld launch chain goes to its earliest legal slot before its anchor.
+
+Before/after cases are IR test files: tests/filecheck/passes/prefetch.fxir and prefetch-depths.fxir."""
 
 from __future__ import annotations
 
 
 import pytest
 
-from irtest import dedent, filecheck, run
+from irtest import dedent, run
 from fxsched.ir import parse_program, print_program, verify
 from fxsched.passes import PassContext, PassManager, parse_pipeline
 
@@ -34,21 +36,6 @@ def order(program) -> list[str]:
 # ---- depths -----------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("depth,expected", [
-    (0, "^entry a1 t1 m1 a2 t2 m2 a3 t3 m3 a4 t4 m4 output"),
-    # a2 before m1, a3 before m2, a4 before m3; sink then moves t1, t2, t3 down to their readers
-    (1, "^entry a1 a2 t1 m1 a3 t2 m2 a4 t3 m3 t4 m4 output"),
-    # a2, a3 before m1 (in that order), a4 before m2
-    (2, "^entry a1 a2 a3 t1 m1 a4 t2 m2 t3 m3 t4 m4 output"),
-    (3, "^entry a1 a2 a3 a4 t1 m1 t2 m2 t3 m3 t4 m4 output"),
-])
-def test_forward_depths(depth, expected):
-    program, result = run(joint(4, 0), f"anchor{{forward-depth={depth}}},budget,prefetch,sink")
-    assert " ".join(order(program)) == expected
-    stats = result.stats()["prefetch"]
-    assert (stats["forward"], stats["backward"], stats["moved_nodes"]) == ((3, 0, 3) if depth else (0, 0, 0))
-
-
-@pytest.mark.parametrize("depth,expected", [
     (0, "^backward b4 u4 n4 b3 u3 n3 b2 u2 n2 b1 u1 n1 output"),
     (1, "^backward b4 b3 u4 n4 b2 u3 n3 b1 u2 n2 u1 n1 output"),
     (2, "^backward b4 b3 b2 u4 n4 b1 u3 n3 u2 n2 u1 n1 output"),
@@ -60,103 +47,7 @@ def test_backward_depths(depth, expected):
     assert result.stats()["prefetch"]["backward"] == (3 if depth else 0)
 
 
-def test_depth_1_exact_text_and_filecheck():
-    program, _ = run(joint(2, 2), "anchor,budget,prefetch,sink")
-    text = print_program(program)
-    assert text == dedent('''
-        %x = input
-        %w1 = input
-        %w2 = input
-        ^entry
-        %a1 = launch "ag"(%w1) {role = fsdp_all_gather, nbytes = 100, params = ["w1"], hold = "first group"}
-        %a2 = launch "ag"(%w2) {role = fsdp_all_gather, nbytes = 100, params = ["w2"], anchor = %m1, prefetched}
-        %t1 = wait(%a1)
-        %m1 = compute "aten.mm"(%x, %t1) {heavy}
-        %t2 = wait(%a2)
-        %m2 = compute "aten.mm"(%m1, %t2) {heavy}
-        ^backward
-        %b2 = launch "ag"(%w2) {role = fsdp_all_gather_backward, nbytes = 100, params = ["w2"], hold = "first group"}
-        %b1 = launch "ag"(%w1) {role = fsdp_all_gather_backward, nbytes = 100, params = ["w1"], anchor = %n2, prefetched}
-        %u2 = wait(%b2)
-        %n2 = compute "aten.mm"(%m2, %u2) {heavy}
-        %u1 = wait(%b1)
-        %n1 = compute "aten.mm"(%n2, %u1) {heavy}
-        %output = output(%n1)
-    ''')
-    filecheck(text, '''
-        CHECK:      %a2 = launch {{.*}}anchor = %m1, prefetched}
-        CHECK-NEXT: %t1 = wait(%a1)
-        CHECK-NEXT: %m1 = compute
-        CHECK:      ^backward
-        CHECK-NEXT: %b2 = launch {{.*}}hold = "first group"}
-        CHECK-NEXT: %b1 = launch {{.*}}anchor = %n2, prefetched}
-    ''')
-
-
 # ---- legality --------------------------------------------------------------------------------------
-
-BARRIER = '''
-    %x = input
-    %buf = input
-    %w1 = input
-    %w2 = input
-    ^entry
-    %a1 = launch "ag"(%w1) {role = fsdp_all_gather, nbytes = 1, params = ["w1"]}
-    %t1 = wait(%a1)
-    %m1 = compute "aten.mm"(%x, %t1) {heavy}
-    %b = barrier "aten.copy_"(%buf, %m1) {reason = "mutation"}
-    %n = compute "aten.neg"(%m1)
-    %a2 = launch "ag"(%w2) {role = fsdp_all_gather, nbytes = 1, params = ["w2"]}
-    %t2 = wait(%a2)
-    %m2 = compute "aten.mm"(%n, %t2) {heavy}
-    %output = output(%m2)
-'''
-
-
-def test_a_launch_stops_right_after_a_barrier():
-    program, result = run(BARRIER, "anchor,budget,prefetch,sink")
-    filecheck(print_program(program), '''
-        CHECK:      %b = barrier
-        CHECK-NEXT: %a2 = launch {{.*}}anchor = %m1, prefetched}
-        CHECK-NEXT: %n = compute
-    ''')
-    assert result.stats()["prefetch"]["forward"] == 1
-
-
-def test_a_launch_right_after_a_barrier_has_no_earlier_legal_slot():
-    program, result = run(BARRIER.replace('    %n = compute "aten.neg"(%m1)\n', "")
-                          .replace("(%n, %t2)", "(%m1, %t2)"), "anchor,prefetch")
-    assert program.op("a2").hold == "no earlier legal slot" and not program.op("a2").prefetched
-    assert result.stats()["prefetch"]["no earlier legal slot"] == 1
-    assert result.stats()["prefetch"]["forward"] == 0
-
-
-def test_a_regather_is_held_behind_the_free_of_the_same_parameter():
-    program, _ = run('''
-        %x = input
-        %w0 = input
-        %w1 = input
-        ^entry
-        %a0 = launch "ag"(%w0) {role = fsdp_all_gather, nbytes = 1, params = ["p0"]}
-        %t0 = wait(%a0)
-        %v0 = view "aten.view"(%t0)
-        %m0 = compute "aten.mm"(%x, %v0) {heavy}
-        %a1 = launch "ag"(%w1) {role = fsdp_all_gather, nbytes = 1, params = ["p1"]}
-        %t1 = wait(%a1)
-        %m1 = compute "aten.mm"(%m0, %t1) {heavy}
-        %f0 = free "free"(%v0) {params = ["p0"]}
-        %r = compute "aten.relu"(%m1)
-        %a2 = launch "ag"(%w0) {role = fsdp_all_gather, nbytes = 1, params = ["p0"]}
-        %t2 = wait(%a2)
-        %m2 = compute "aten.mm"(%r, %t2) {heavy}
-        %output = output(%m2)
-    ''', "anchor,budget,prefetch")
-    # a2's anchor is m1, but it must follow the free of p0's first replica
-    assert program.op("a2").anchor == "m1" and program.op("a2").prefetched
-    names = program.schedule.names()
-    assert names[names.index("f0") + 1] == "a2"
-    assert names.index("a1") < names.index("m0")  # a1 moved before m0 as usual
-
 
 def test_a_bucket_pack_chain_moves_with_its_launch():
     program, result = run('''
