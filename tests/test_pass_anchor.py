@@ -1,11 +1,13 @@
-"""anchor: consumer lookahead per phase, attention intervals, and the hold reasons it writes."""
+"""anchor: consumer lookahead per phase, attention intervals, and the hold reasons it writes.
+
+Before/after cases are also IR test files: tests/filecheck/passes/anchor.fxir, anchor-backward.fxir."""
 
 from __future__ import annotations
 
 
 import pytest
 
-from irtest import dedent, filecheck, run
+from irtest import dedent, run
 from fxsched.ir import parse_program, print_program, verify
 from fxsched.passes import PassContext, PassManager, parse_pipeline
 
@@ -36,33 +38,6 @@ def anchors(program) -> dict[str, tuple[str | None, str | None]]:
 
 # ---- consumer lookahead ----------------------------------------------------------------------
 
-def test_depth_1_anchors_each_group_at_the_previous_consumer():
-    program, result = run(joint(4, 0), "anchor")
-    assert print_program(program) == dedent('''
-        %x = input
-        %w1 = input
-        %w2 = input
-        %w3 = input
-        %w4 = input
-        ^entry
-        %a1 = launch "ag"(%w1) {role = fsdp_all_gather, nbytes = 100, params = ["w1"], hold = "first group"}
-        %t1 = wait(%a1)
-        %m1 = compute "aten.mm"(%x, %t1) {heavy}
-        %a2 = launch "ag"(%w2) {role = fsdp_all_gather, nbytes = 100, params = ["w2"], anchor = %m1}
-        %t2 = wait(%a2)
-        %m2 = compute "aten.mm"(%m1, %t2) {heavy}
-        %a3 = launch "ag"(%w3) {role = fsdp_all_gather, nbytes = 100, params = ["w3"], anchor = %m2}
-        %t3 = wait(%a3)
-        %m3 = compute "aten.mm"(%m2, %t3) {heavy}
-        %a4 = launch "ag"(%w4) {role = fsdp_all_gather, nbytes = 100, params = ["w4"], anchor = %m3}
-        %t4 = wait(%a4)
-        %m4 = compute "aten.mm"(%m3, %t4) {heavy}
-        %output = output(%m4)
-    ''')
-    assert result.stats()["anchor"] == {"anchored": 3, "first group": 1, "depth 0": 0, "no consumer": 0,
-                                        "changed": True}
-
-
 @pytest.mark.parametrize("depth,expected", [
     (0, {"1": (None, "depth 0"), "2": (None, "depth 0"), "3": (None, "depth 0"), "4": (None, "depth 0")}),
     (1, {"1": (None, "first group"), "2": ("1", None), "3": ("2", None), "4": ("3", None)}),
@@ -84,23 +59,6 @@ def test_depths_per_phase(depth, expected):
     for i, (anchor, hold) in expected.items():
         assert got[f"b{5 - int(i)}"] == (anchor and backward_consumer[anchor], hold)
     assert got["a2"] == ("m1", None)
-
-
-def test_depth_2_backward_with_filecheck():
-    program, result = run(joint(2, 4), "anchor{forward-depth=0,backward-depth=2}")
-    filecheck(print_program(program), '''
-        CHECK:      %a1 = launch {{.*}}hold = "depth 0"
-        CHECK:      %a2 = launch {{.*}}hold = "depth 0"
-        CHECK:      ^backward
-        CHECK-NEXT: %b4 = launch {{.*}}hold = "first group"
-        CHECK:      %n4 = compute
-        CHECK-NEXT: %b3 = launch {{.*}}anchor = %n4}
-        CHECK:      %b2 = launch {{.*}}anchor = %n4}
-        CHECK:      %b1 = launch {{.*}}anchor = %n3}
-        CHECK-NOT:  anchor
-    ''')
-    assert result.stats()["anchor{forward-depth=0,backward-depth=2}"] == {
-        "anchored": 3, "first group": 1, "depth 0": 2, "no consumer": 0, "changed": True}
 
 
 def test_gathers_with_the_same_first_consumer_form_one_group():
