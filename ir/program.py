@@ -189,6 +189,28 @@ class Program:
                     stack.append(p)
         return feeders
 
+    # networkx's adjacency dicts themselves, for the hot loops of passes and analyses (its
+    # views cost more than the loops): read them, never write them — `add`, `add_effect` and
+    # `replace` keep them consistent
+    @property
+    def successors(self) -> dict[str, dict[str, dict]]:
+        """name -> {successor: edge attributes (`kind`, and `why` for an effect)}."""
+        return self.graph._succ
+
+    @property
+    def predecessors(self) -> dict[str, dict[str, dict]]:
+        """name -> {predecessor: edge attributes}."""
+        return self.graph._pred
+
+    @property
+    def node_data(self) -> dict[str, dict]:
+        """name -> {"op": Op}."""
+        return self.graph._node
+
+    def size(self) -> tuple[int, int]:
+        """(ops, edges), counted off the adjacency (networkx's number_of_edges walks a view)."""
+        return len(self.graph._node), sum(map(len, self.graph._succ.values()))
+
     def effect_edges(self) -> list[tuple[str, str, str]]:
         return [(u, v, e["why"]) for u, v, e in self.graph.edges(data=True) if e["kind"] == EFFECT]
 

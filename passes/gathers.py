@@ -39,7 +39,7 @@ class GatherAnalysis(Analysis):
     def compute(cls, program: Program, ctx=None) -> GatherAnalysis:
         # raw node and adjacency dicts, users unsorted: networkx's views and program.users' sort
         # by position cost more than the walks themselves
-        node, succ = program.graph._node, program.graph._succ
+        node, succ = program.node_data, program.successors
         gathers, unconsumed = [], []
         pos = program.schedule.index
         names = program.schedule.names()
@@ -71,7 +71,7 @@ def _data_users(succ: dict, name: str) -> list[str]:
 
 def _realize(program: Program, wait: str, bucket: str | None) -> tuple[set[str], set[str]]:
     """The wait plus every view and own-bucket copy-out reachable from it; and their other users."""
-    node, succ = program.graph._node, program.graph._succ
+    node, succ = program.node_data, program.successors
     realization, consumers = {wait}, set()
     stack = [wait]
     while stack:
@@ -88,7 +88,7 @@ def _realize(program: Program, wait: str, bucket: str | None) -> tuple[set[str],
 
 def launch_chain(program: Program, launch: Launch) -> list[str]:
     """A bucket's private pack DAG, or a lone cast of an input shard, plus the launch."""
-    node, succ = program.graph._node, program.graph._succ
+    node, succ = program.node_data, program.successors
     if launch.bucket is not None:
         chain = {launch.name}
         stack = list(launch.operands)

@@ -172,10 +172,7 @@ class PipelineResult:
 
 
 def _size(program: Program) -> tuple[int, int]:
-    # counted off the raw adjacency dicts: networkx's number_of_edges() walks a degree view
-    # node by node, and this runs twice per pass
-    graph = program.graph
-    return len(graph._node), sum(map(len, graph._succ.values()))
+    return program.size()
 
 
 class PassManager:

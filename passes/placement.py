@@ -19,7 +19,7 @@ def plan(program: Program, analysis: GatherAnalysis, schedule: Schedule,
          admit: Callable[[Gather, str], str | None] = lambda g, t: None
          ) -> Iterator[tuple[Gather, str | None, str | None]]:
     """Move anchored, unheld chains on `schedule`; yield (gather, target, reason it stayed)."""
-    node, pred = program.graph._node, program.graph._pred  # raw dicts: views cost more here
+    node, pred = program.node_data, program.predecessors  # raw dicts: views cost more here
     pos = schedule.index
     for g in analysis.gathers:
         op: Launch = node[g.launch]["op"]

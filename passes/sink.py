@@ -33,7 +33,7 @@ def sink_in_order(program: Program, nodes: tuple[str, ...] | list[str]) -> int:
     successors and of the next node that was sunk; nodes nobody reads stay. Returns the count."""
     schedule = program.schedule
     pos = schedule.index
-    succ = program.graph._succ  # the raw adjacency: networkx's views cost more than this loop
+    succ = program.successors  # the raw adjacency: networkx's views cost more than this loop
     sunk = 0
     after = None
     for name in reversed(nodes):
