@@ -47,6 +47,8 @@ def run_chunk(text: str, source: str, args, instruments) -> str:
     except ParseError as exc:
         pointer = "".join(f"\n{line}" for line in str(exc).splitlines()[1:])
         raise InputError(f"{source}:{exc.line}:{exc.column}: error: {exc.message}{pointer}") from None
+    except ValueError as exc:  # the order breaks a rule no schedule could keep (EffectError)
+        raise InputError(f"{source}: error: {exc}") from None
     if args.verify:
         try:
             verify(program)
