@@ -79,8 +79,11 @@ class ModulePass:
 
     @classmethod
     def option_type(cls, text_name: str) -> type:
-        """The option's type, from its annotation (bool, int, float or str)."""
-        return _annotations(cls)[cls.options()[text_name].name]
+        """The option's type, from its annotation (bool, int, float or str; for an annotation
+        that is not a class, such as `int | None`, the type of the default)."""
+        field = cls.options()[text_name]
+        hint = _annotations(cls).get(field.name)
+        return hint if isinstance(hint, type) else type(field.default)
 
     @classmethod
     def option_help(cls, text_name: str) -> str:
