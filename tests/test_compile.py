@@ -290,3 +290,48 @@ def test_default_pipeline_and_cost_model_key_the_uuid():
     assert fx_pass.pipeline == str(PassManager("default"))
     assert FxschedInductorPass(cost_model="h200").uuid() != fx_pass.uuid()
     assert FxschedInductorPass(cost_model=lambda op, program: 1.0).uuid() is None  # no caching on opaque state
+
+
+# --------------------------------------------------------------------------- bf16 SimpleFSDP: gradient reductions
+
+
+def _bf16_worker(rank, world_size):
+    """A built-in Llama, SimpleFSDP-style with bf16 parameters (bench/simple_fsdp.py), compiled without and
+    with the default pipeline: [loss, grads] of each, and the pass's records."""
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench"))
+    from simple_fsdp import simple_fsdp
+
+    from fxsched.models import build_model
+
+    torch.set_num_threads(1)
+    out = {}
+    for name, options in (("plain", dict(LITE)), ("scheduled", {**LITE, HOOK: FxschedInductorPass(on_error="raise")})):
+        torch._dynamo.reset()
+        module, inputs, loss_fn = build_model("llama", layers=2, width=32, seed=0, seq=8)
+        simple_fsdp(module, world_size, rank, param_dtype=torch.bfloat16)
+        compiled = torch.compile(module, backend="inductor", options=options)
+        loss = loss_fn(compiled(*inputs), *inputs)
+        loss.backward()
+        out[name] = [loss.detach()] + [p.grad.detach().clone() for p in module.parameters()]
+        if HOOK in options:
+            out["runs"] = [{"phase": run["phase"], "structural": run["structural"],
+                            "overlap": run["report"]["passes"].get("overlap-reduce-scatter", {})}
+                           for run in options[HOOK].runs]
+    return out
+
+
+@pytest.mark.multirank
+def test_bf16_gradient_reduce_scatters_overlap_and_stay_bitwise():
+    results = run_ranks(_bf16_worker, 2, timeout=600)
+    for rank, r in enumerate(results):
+        for a, b in zip(r["plain"], r["scheduled"], strict=True):
+            assert a.dtype == b.dtype and torch.equal(a, b), f"rank {rank}: the default pipeline changed the results"
+        runs = {run["phase"]: run for run in r["runs"]}
+        reductions = runs["backward"]["structural"]["reductions"]
+        # one reduce-scatter per parameter, each waited then cast back to fp32 for the output
+        assert len(reductions) == len(r["plain"]) - 1
+        assert all(red["kind"] == "reduce_scatter_tensor" and len(red["tail"]) >= 1 for red in reductions)
+        overlap = runs["backward"]["overlap"]
+        assert overlap["overlapped"] >= len(reductions) // 2, overlap
