@@ -1,0 +1,317 @@
+"""Benchmark: schedules of real clients' graphs, scored by fxsched's simulator with the same costs.
+
+    .venv/bin/python bench/bench_clients.py                      # everything below (~15 min on 2 CPUs)
+    .venv/bin/python bench/bench_clients.py --no-compile --titan-layers 2
+
+Writes bench/out/clients.{md,json}. Workloads:
+
+- **torch.compile** (`compile ...`): SimpleFSDP-style GPT and Llama (`bench/simple_fsdp.py`;
+  width 1024, seq 256, batch 2, world size 2; fp32, and bf16 parameters with fp32 gradients),
+  compiled by Inductor; the forward and the backward graph exactly as its post-grad custom pass
+  (fxsched's hook) sees them. Each graph is scheduled on its own and the step is the sum of the two.
+- **torchtitan** (`titan ...`): graph_trainer's joint graph of llama3's debug model (2 and 4
+  layers) and of its 1B shape cut to 2 layers, under
+  SimpleFSDP (bf16 parameters, fp32 reduction, world size 2, batch 2, seq 2048), traced by its
+  make_fx tracer on a fake process group and rematerialised by its default passes (`bench/titan.py`).
+
+Schedules: `emitted` (as traced); `fxsched-gathers` (the default pipeline with only the gathers
+recognised: what fxsched did before it recognised gradient reductions); `fxsched` (the default
+pipeline, gathers and gradient reductions recognised); `inductor` (Inductor's
+`schedule_overlap_bucketing`, reorder only, on the same graph with our per-node costs, as in
+bench_schedules.py); on the torchtitan graphs `torchtitan` (graph_trainer's own FSDP
+scheduling pass, `joint_transformer_block_bucketing_reordering_pass`, which buckets: its graph is
+lowered and scored on its own, the node set changed). Every order is checked against the
+original program's rules (ILLEGAL with the broken rules counted, as in bench_schedules.py).
+Costs: H100 roofline. Columns: step, exposed communication, step / lower bound, peak memory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import platform
+import sys
+import time
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from torch import fx
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import fxsched  # noqa: E402
+from fxsched.cost import Roofline, collective_kind, format_bytes, hardware, op_costs, simulate  # noqa: E402
+from fxsched.ir import Launch, VerifyError, verify  # noqa: E402
+from fxsched.lowering import lower  # noqa: E402
+from fxsched.lowering.structural import tag_fsdp_collectives, untag_fsdp_gathers  # noqa: E402
+
+from bench_schedules import broken_rules, check_order, rules, run_peer_forked  # noqa: E402
+from peers import copy_module, setup_inductor  # noqa: E402
+
+OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "out")
+WORLD = 2
+
+
+@contextmanager
+def uniform_phase(gm: fx.GraphModule, phase: str | None):
+    """Every call of `gm` reads as `phase` (Inductor's forward and backward graphs come apart)."""
+    from fxsched.integrations.inductor import _uniform_phase
+
+    with _uniform_phase(gm.graph, phase):
+        yield
+
+
+def _fake_group():
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if not dist.is_initialized():
+        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=WORLD)
+
+
+def _counts(gm: fx.GraphModule) -> dict[str, int]:
+    return dict(collections.Counter(collective_kind(str(n.target)) for n in gm.graph.nodes
+                                    if n.op == "call_function" and "_c10d_functional" in str(n.target)
+                                    and "wait_tensor" not in str(n.target)))
+
+
+def _score(program, costs) -> dict[str, Any]:
+    sim = simulate(program, costs=costs)
+    return {"step_ms": sim.step_ms, "exposed_ms": sim.exposed_ms, "bound_ms": sim.lower_bound_ms,
+            "peak_bytes": sim.peak_bytes}
+
+
+def schedule_graph(gm: fx.GraphModule, phase: str | None, model, args) -> dict[str, dict[str, Any]]:
+    """Every schedule of one graph: {name: score + legality}."""
+    out: dict[str, dict[str, Any]] = {}
+    with uniform_phase(gm, phase):
+        untag_fsdp_gathers(gm)
+        found = tag_fsdp_collectives(gm, phase=phase)
+        program = lower(gm)
+        verify(program)
+        costs = op_costs(program, model)
+        info = {"nodes": len(gm.graph.nodes), "collectives": _counts(gm), "gathers_recognised": len(found.tagged),
+                "reductions_recognised": len(found.reductions)}
+        out["emitted"] = {**_score(program, costs), "legal": True}
+        for name, reductions in (("fxsched-gathers", False), ("fxsched", True)):
+            untag_fsdp_gathers(gm)
+            tag_fsdp_collectives(gm, phase=phase, reductions=reductions)
+            t = time.perf_counter()
+            done = fxsched.schedule(gm, fxsched.DEFAULT_PIPELINE, cost_model=model)
+            seconds = time.perf_counter() - t
+            order = done.program.schedule.names()
+            scheduled, problems = check_order(program, order)
+            out[name] = {**_score(scheduled, costs), "legal": not problems,
+                         "problems": rules(program, order, problems), "compile_s": seconds}
+        untag_fsdp_gathers(gm)
+        tag_fsdp_collectives(gm, phase=phase)
+        if "inductor" in args.peers:
+            options = dict(max_in_flight_gb=1.0, pre_bucketing_fsdp_collectives=False)
+            result = run_peer_forked(gm, costs, model, options, args.peer_timeout)
+            if "skipped" in result:
+                out["inductor"] = {"skipped": result["skipped"]}
+            elif "program" in result:
+                own = result["program"]
+                out["inductor"] = {**_score(own, op_costs(own, model)), "legal": False,
+                                   "problems": broken_rules(program, result["names"]) or {"node set changed": 1}}
+            else:
+                scheduled, problems = check_order(program, result["names"])
+                out["inductor"] = {**_score(scheduled, costs), "legal": not problems,
+                                   "problems": rules(program, result["names"], problems),
+                                   "compile_s": result["seconds"]}
+    out["_info"] = info
+    return out
+
+
+def _sum(parts: list[dict[str, dict[str, Any]]]) -> dict[str, dict[str, Any]]:
+    """A step made of several graphs run one after the other: times add, peak is the larger."""
+    names = [n for n in parts[0] if n != "_info"]
+    total: dict[str, dict[str, Any]] = {}
+    for name in names:
+        entries = [p.get(name, {"skipped": "missing"}) for p in parts]
+        skipped = [e["skipped"] for e in entries if "skipped" in e]
+        if skipped:
+            total[name] = {"skipped": skipped[0]}
+            continue
+        problems: collections.Counter = collections.Counter()
+        for e in entries:
+            problems.update(e.get("problems") or {})
+        total[name] = {"step_ms": sum(e["step_ms"] for e in entries), "exposed_ms": sum(e["exposed_ms"] for e in entries),
+                       "bound_ms": sum(e["bound_ms"] for e in entries),
+                       "peak_bytes": max(e["peak_bytes"] for e in entries),
+                       "legal": all(e["legal"] for e in entries), "problems": dict(problems)}
+    return total
+
+
+# ---- workloads -------------------------------------------------------------------------------
+
+def compile_workloads(args, model) -> list[dict[str, Any]]:
+    from simple_fsdp import post_grad_graphs, simple_fsdp
+
+    from fxsched.models import build_model
+
+    rows = []
+    for name in args.compile_models:
+        for layers in args.layers:
+            for dtype in args.dtypes:
+                label = f"compile {name} L{layers} {dtype}"
+                print(label, "...", flush=True)
+                t = time.perf_counter()
+                module, inputs, loss = build_model(name, layers=layers, width=args.width, seed=0, seq=args.seq,
+                                                   batch=args.batch)
+                simple_fsdp(module, WORLD, 0, param_dtype=torch.bfloat16 if dtype == "bf16" else None)
+                graphs = post_grad_graphs(module, inputs, loss)
+                build = time.perf_counter() - t
+                parts = {phase: schedule_graph(gm, phase, model, args) for phase, gm in graphs.items()}
+                rows.append({"workload": label, "build_s": build,
+                             "graphs": {p: v.pop("_info") for p, v in parts.items()},
+                             "per_graph": parts, "schedules": _sum(list(parts.values()))})
+                _print(rows[-1])
+    return rows
+
+
+def titan_workloads(args, model) -> list[dict[str, Any]]:
+    from torch.distributed.device_mesh import init_device_mesh
+    from titan import build_llama3, joint_bucketing, rematerialise, trace_step
+
+    mesh = init_device_mesh("cpu", (WORLD,), mesh_dim_names=("fsdp",))
+    rows = []
+    shapes = [("debugmodel", layers) for layers in args.titan_layers] + [("1B", layers) for layers in args.titan_1b_layers]
+    for flavor, layers in shapes:
+        label = f"titan llama3-{'debug' if flavor == 'debugmodel' else flavor} L{layers}"
+        print(label, "...", flush=True)
+        t = time.perf_counter()
+        module, inputs = build_llama3(mesh, flavor=flavor, layers=layers, batch=args.titan_batch, seq=args.titan_seq)
+        traced = rematerialise(trace_step(module, inputs))
+        build = time.perf_counter() - t
+        gm = traced.gm
+        keep = copy_module(gm)
+        scheds = schedule_graph(gm, None, model, args)
+        info = scheds.pop("_info")
+        # torchtitan's own FSDP scheduling pass, on a copy (it buckets: a new node set, scored on its own lowering)
+        try:
+            setup_inductor(model.hw.hbm_gbps, model.hw.tflops("f32"))  # it asks triton's GPU driver otherwise
+            traced.gm = keep
+            t = time.perf_counter()
+            joint_bucketing(traced, layers)
+            seconds = time.perf_counter() - t
+            own = lower(traced.gm)
+            try:
+                verify(own)
+                own_problems = []
+            except VerifyError as error:
+                own_problems = error.problems
+            entry = {**_score(own, op_costs(own, model)), "legal": not own_problems,
+                     "problems": {"own lowering": len(own_problems)} if own_problems else {},
+                     "compile_s": seconds, "collectives": _counts(traced.gm), "node_set": "changed (bucketing)"}
+        except Exception as exc:  # noqa: BLE001 — recorded, the rest of the row stands
+            entry = {"skipped": f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"}
+        scheds["torchtitan"] = entry
+        rows.append({"workload": label, "build_s": build, "graphs": {"joint": info}, "schedules": scheds})
+        _print(rows[-1])
+    return rows
+
+
+# ---- report ------------------------------------------------------------------------------------
+
+def _print(row):
+    for name, s in row["schedules"].items():
+        if "skipped" in s:
+            print(f"  {name:16s} skipped ({s['skipped']})", flush=True)
+        else:
+            print(f"  {name:16s} legal={s['legal']!s:5s} step={s['step_ms']:8.3f}ms exposed={s['exposed_ms']:7.3f}ms "
+                  f"ratio={s['step_ms'] / s['bound_ms']:.3f} peak={format_bytes(s['peak_bytes'])}", flush=True)
+
+
+def markdown(rows) -> str:
+    lines = ["| workload | collectives (recognised) | schedule | legal | step ms | exposed ms | step / bound | "
+             "peak memory |", "|---|---|---|---|---:|---:|---:|---:|"]
+    for row in rows:
+        graphs = row["graphs"]
+        counts = collections.Counter()
+        for g in graphs.values():
+            counts.update(g["collectives"])
+        recognised = sum(g["gathers_recognised"] + g["reductions_recognised"] for g in graphs.values())
+        what = ", ".join(f"{v} {k}" for k, v in sorted(counts.items())) + f" ({recognised} FSDP)"
+        for name, s in row["schedules"].items():
+            head = f"| {row['workload']} | {what} | {name} |"
+            if "skipped" in s:
+                lines.append(f"{head} skipped ({s['skipped']}) | | | | |")
+                continue
+            legal = "yes" if s["legal"] else "ILLEGAL: " + ", ".join(f"{k} ×{v}" for k, v in s["problems"].items())
+            if s.get("node_set"):
+                legal += f"; node set changed ({', '.join(f'{v} {k}' for k, v in sorted(s['collectives'].items()))})"
+            lines.append(f"{head} {legal} | {s['step_ms']:.3f} | {s['exposed_ms']:.3f} | "
+                         f"{s['step_ms'] / s['bound_ms']:.3f} | {format_bytes(s['peak_bytes'])} |")
+    return "\n".join(lines) + "\n"
+
+
+def goals(rows) -> list[str]:
+    out = []
+    for row in rows:
+        s = row["schedules"]
+        ours = s.get("fxsched")
+        for peer in ("inductor", "torchtitan"):
+            other = s.get(peer)
+            if not ours or not other or "skipped" in other:
+                continue
+            step = ours["step_ms"] / other["step_ms"]
+            peak = ours["peak_bytes"] / other["peak_bytes"]
+            out.append(f"- {row['workload']}: fxsched / {peer}: step {step:.3f}x "
+                       f"({'MET' if step <= 1 + 1e-9 else 'MISSED'}), peak memory {peak:.3f}x"
+                       f"{'' if other['legal'] else f' ({peer} order breaks fxsched rules)'}")
+        before = s.get("fxsched-gathers")
+        if ours and before:
+            out.append(f"- {row['workload']}: recognising gradient reductions: step {before['step_ms']:.3f} -> "
+                       f"{ours['step_ms']:.3f} ms ({ours['step_ms'] / before['step_ms']:.3f}x)")
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--no-compile", action="store_true", help="skip the torch.compile workloads")
+    parser.add_argument("--no-titan", action="store_true", help="skip the torchtitan workloads")
+    parser.add_argument("--compile-models", nargs="*", default=["gpt", "llama"])
+    parser.add_argument("--layers", type=int, nargs="*", default=[2, 4])
+    parser.add_argument("--dtypes", nargs="*", default=["fp32", "bf16"], choices=["fp32", "bf16"])
+    parser.add_argument("--width", type=int, default=1024)
+    parser.add_argument("--seq", type=int, default=256)
+    parser.add_argument("--batch", type=int, default=2)
+    parser.add_argument("--titan-layers", type=int, nargs="*", default=[2, 4])
+    parser.add_argument("--titan-1b-layers", type=int, nargs="*", default=[2],
+                        help="llama3 1B's shape (dim 2048, vocab 128256) cut to these many layers")
+    parser.add_argument("--titan-seq", type=int, default=2048)
+    parser.add_argument("--titan-batch", type=int, default=2)
+    parser.add_argument("--peers", nargs="*", default=["inductor"], choices=["inductor"])
+    parser.add_argument("--peer-timeout", type=float, default=600.0)
+    parser.add_argument("--hardware", default="h100")
+    parser.add_argument("--out", default=OUT)
+    args = parser.parse_args()
+
+    torch.set_num_threads(1)
+    _fake_group()
+    model = Roofline(hardware(args.hardware))
+    rows = []
+    if not args.no_compile:
+        rows += compile_workloads(args, model)
+    if not args.no_titan:
+        rows += titan_workloads(args, model)
+    result = {"machine": f"{platform.machine()}, {os.cpu_count()} cpus, python {platform.python_version()}, "
+                         f"torch {torch.__version__}", "hardware": model.hw.name, "world_size": WORLD,
+              "pipeline": fxsched.DEFAULT_PIPELINE, "args": vars(args), "rows": rows, "goals": goals(rows)}
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "clients.json"), "w") as f:
+        json.dump(result, f, indent=1, default=str)
+    table = markdown(rows)
+    with open(os.path.join(args.out, "clients.md"), "w") as f:
+        f.write(f"Simulated on {model.hw.name} (roofline), world size {WORLD}; fxsched = `{fxsched.DEFAULT_PIPELINE}`; "
+                f"{result['machine']}.\n\n" + table + "\n" + "\n".join(result["goals"]) + "\n")
+    print(table)
+    print("\n".join(result["goals"]))
+
+
+if __name__ == "__main__":
+    main()
