@@ -484,16 +484,16 @@ def main(argv: list[str] | None = None) -> int:
     except SystemExit as exc:  # argparse printed its message (exit 2) or the help (exit 0)
         return int(exc.code or 0)
     from .logs import log_to
-    from .passes import PassFailure, PipelineError
+    from .ir.errors import InputError, InternalError
 
     with log_to(sys.stderr, logging.INFO) if args.verbose else contextlib.nullcontext():
         try:
             load_plugins(args.load_pass_plugin)
             return args.run(args)
-        except (UsageError, PipelineError) as exc:
+        except (UsageError, InputError) as exc:  # every kind of bad input (ir/errors.py): exit 2
             print(f"fxsched: {exc}", file=sys.stderr)
             return EXIT_USAGE
-        except PassFailure as exc:
+        except InternalError as exc:  # a pass broke its promise (PassFailure): exit 1
             print(f"fxsched: {exc}", file=sys.stderr)
             return EXIT_FAILED
         except OSError as exc:  # an output file that cannot be written

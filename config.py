@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import attrs
 
+from .ir.errors import ConfigError
 from .passes.base import check_budget, check_depth
 
 
@@ -19,10 +20,10 @@ def read_config(config) -> tuple[bool, float, int, int]:
     """Read and validate any object with PassConfig's attributes (the depths are optional)."""
     missing = [a for a in ("fsdp_allgather_prefetch", "max_in_flight_gb") if not hasattr(config, a)]
     if missing:
-        raise ValueError(f"config {type(config).__name__} lacks {', '.join(missing)}")
+        raise ConfigError(f"config {type(config).__name__} lacks {', '.join(missing)}")
     enabled = config.fsdp_allgather_prefetch
     if not isinstance(enabled, bool):
-        raise ValueError(f"fsdp_allgather_prefetch must be a bool, got {enabled!r}")
+        raise ConfigError(f"fsdp_allgather_prefetch must be a bool, got {enabled!r}")
     forward = getattr(config, "fsdp_forward_prefetch_depth", 1)
     backward = getattr(config, "fsdp_backward_prefetch_depth", 1)
     check_depth("config", "fsdp_forward_prefetch_depth", forward)

@@ -25,6 +25,7 @@ from typing import Any
 
 import attrs
 
+from ..ir.errors import CostModelError
 from ..ir.gcpause import gc_paused
 from ..ir.opclass import MATMULS, is_attention, is_attention_backward, op_name  # noqa: F401  (re-exported)
 from ..ir import Constant, Input, Launch, Marker, Op, Output, Program, Free, View, Wait
@@ -277,10 +278,34 @@ def as_cost_model(spec: Any = None) -> CostModel:
 
 
 def op_costs(program: Program, model: Any = None) -> dict[str, float]:
-    """{op name: ms} for every op of `program` (in schedule order)."""
+    """{op name: ms} for every op of `program` (in schedule order). A model that raises on an
+    op, or answers anything but a finite non-negative number, is a CostModelError naming the
+    model and the op (it is the model's answer that is wrong, not the pass that asked)."""
     model = as_cost_model(model)
+    costs = {}
     with gc_paused():
-        return {name: model.op_ms(program.op(name), program) for name in program.schedule}
+        for name in program.schedule:
+            op = program.op(name)
+            try:
+                ms = model.op_ms(op, program)
+            except (TypeError, ValueError, ArithmeticError, LookupError) as exc:
+                raise CostModelError(f"cost model {_describe(model)} failed on {_describe_op(op)}: "
+                                     f"{type(exc).__name__}: {exc}") from exc
+            if isinstance(ms, bool) or not isinstance(ms, (int, float)) or not math.isfinite(ms) or ms < 0:
+                raise CostModelError(f"cost model {_describe(model)} gave {ms!r} ms for {_describe_op(op)}: "
+                                     "a cost must be a finite non-negative number")
+            costs[name] = ms
+    return costs
+
+
+def _describe(model: CostModel) -> str:
+    fn = getattr(model, "fn", None)
+    return f"{type(model).__name__}({getattr(fn, '__qualname__', fn)!s})" if fn is not None else repr(model)
+
+
+def _describe_op(op: Op) -> str:
+    target = getattr(op, "target", "")
+    return f"%{op.name} ({op.KIND}{' ' + repr(target) if target else ''})"
 
 
 @attrs.frozen

@@ -12,6 +12,7 @@ graph stays O(N).
 
 from __future__ import annotations
 
+from .errors import InputError
 from .ops import Barrier, Compute, Free, Input, Launch, Marker, Op, Output, Phase, View
 from .program import DATA, Program
 
@@ -19,7 +20,7 @@ ENTRY = "^entry"
 BACKWARD = "^backward"
 
 
-class EffectError(ValueError):
+class EffectError(InputError):
     """The program's first order already breaks a rule (so no schedule could keep it)."""
 
 

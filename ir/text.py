@@ -21,15 +21,23 @@ import re
 
 import attrs
 
-from .effects import BACKWARD, derive_effects
+from .effects import BACKWARD, EffectError, derive_effects
+from .errors import InputError
 from .ops import DTYPE_BYTES, OP_KINDS, Marker, Op, Phase, Role, TensorType
 from .program import DATA, Program, Schedule
 
 
-class ParseError(ValueError):
+class ParseError(InputError):
+    """Bad IR text; the message gives the line and column, with a caret under the spot."""
+
     def __init__(self, message: str, line: int, column: int, text: str = ""):
         self.message, self.line, self.column = message, line, column
-        pointer = f"\n  {text}\n  {' ' * (column - 1)}^" if text else ""
+        shown, caret = text, column - 1
+        if len(text) > 100:  # a window around the spot, not a line of thousands of characters
+            start = max(0, caret - 50)
+            shown = ("..." if start else "") + text[start:start + 100] + ("..." if start + 100 < len(text) else "")
+            caret = caret - start + (3 if start else 0)
+        pointer = f"\n  {shown}\n  {' ' * caret}^" if text else ""
         super().__init__(f"line {line}, column {column}: {message}{pointer}")
 
 
@@ -152,14 +160,46 @@ class _Line:
         return False
 
 
-def _parse_value(line: _Line):
+#: the largest integer IR text may write: sizes and extents are int64 where they are used
+MAX_INT = 2**63 - 1
+#: how deep `[...]` lists may nest (attribute values are flat lists; this bounds the recursion)
+MAX_NESTING = 16
+
+
+def _number(line: _Line) -> int:
+    """The number token at the cursor as an int, or a ParseError if it does not fit int64."""
+    value = line.peek()[1]
+    digits = value.lstrip("-")
+    if len(digits) > 19 or int(digits) > MAX_INT:  # int() of thousands of digits is refused, or slow
+        line.error(f"number {value[:24]}{'...' if len(value) > 24 else ''} is out of range "
+                   f"(at most {MAX_INT} in magnitude)")
+    line.i += 1
+    return int(value)
+
+
+def _string(line: _Line) -> str:
+    """The string token at the cursor, decoded as JSON does (the printer writes it so)."""
+    value = line.peek()[1]
+    try:
+        decoded = json.loads(value)
+    except ValueError as exc:  # a bad escape, a raw control character (a tab, ...)
+        reason = getattr(exc, "msg", str(exc))
+        if "control character" in reason:
+            reason = "a raw control character (a tab, a newline, ...) in a string"
+        at = getattr(exc, "pos", 0)
+        column = line.tokens[line.i][2] + at
+        raise ParseError(f"bad string: {reason} (write a tab as \\t, a backslash as \\\\)",
+                         line.number, column, line.text) from None
+    line.i += 1
+    return decoded
+
+
+def _parse_value(line: _Line, depth: int = 0):
     kind, value = line.peek()
     if kind == "string":
-        line.i += 1
-        return json.loads(value)
+        return _string(line)
     if kind == "number":
-        line.i += 1
-        return int(value)
+        return _number(line)
     if kind == "ref":
         line.i += 1
         return value[1:]
@@ -170,11 +210,14 @@ def _parse_value(line: _Line):
         line.i += 1
         return {"true": True, "false": False}.get(value, value)
     if line.accept("punct", "["):
+        if depth >= MAX_NESTING:
+            line.i -= 1
+            line.error(f"lists nest more than {MAX_NESTING} deep")
         items = []
         while not line.accept("punct", "]"):
             if items:
                 line.take("punct", ",")
-            items.append(_parse_value(line))
+            items.append(_parse_value(line, depth + 1))
         return tuple(items)
     line.error(f"expected a value, found {value!r}")
 
@@ -232,7 +275,12 @@ def _parse_type(line: _Line) -> TensorType:
     while not line.accept("punct", "]"):
         if dims:
             line.take("punct", ",")
-        dims.append(-1 if line.accept("punct", "?") else int(line.take("number")))
+        if line.accept("punct", "?"):
+            dims.append(-1)
+        elif line.peek()[0] == "number":
+            dims.append(_number(line))
+        else:
+            line.take("number")  # the error: expected a number
     return TensorType(dtype, tuple(dims))
 
 
@@ -255,7 +303,7 @@ def _parse_op(line: _Line, region: Phase) -> Op:
     # inputs and the output belong to no phase: they keep the default, as lowering gives them
     kwargs: dict = {"name": name, "phase": Phase.FORWARD if cls.KIND in ("input", "output") else region}
     if line.peek()[0] == "string":
-        kwargs["target"] = json.loads(line.take("string"))
+        kwargs["target"] = _string(line)
     operands = []
     if line.accept("punct", "("):
         while not line.accept("punct", ")"):
@@ -339,7 +387,11 @@ def parse_program(text: str) -> Program:
                 line.error(f"%{operand} is not defined")
             program.graph.add_edge(operand, op.name, kind=DATA)
     program.schedule = Schedule(order)
-    derive_effects(program)
+    try:
+        derive_effects(program)
+    except EffectError as exc:  # the text's own order breaks a rule: point at the op it names
+        line = _line_of(exc, uses)
+        raise ParseError(str(exc), line.number if line else 1, 1, line.text if line else "") from None
     for before, after, line in explicit:
         for ref in (before, after):
             if ref not in program.graph:  # markers may be added by derive_effects
@@ -347,3 +399,12 @@ def parse_program(text: str) -> Program:
                 line.error(f"{ref if ref.startswith('^') else '%' + ref} is not defined")
         program.add_effect(before, after, EXPLICIT)
     return program
+
+
+def _line_of(exc: Exception, uses: list[tuple[Op, _Line]]) -> _Line | None:
+    """The line of the first op an error message names (`%name`), if any."""
+    lines = {op.name: line for op, line in uses}
+    for ref in re.findall(r"%([A-Za-z_][\w.\-]*)", str(exc)):
+        if ref in lines:
+            return lines[ref]
+    return None

@@ -12,12 +12,16 @@ from operator import attrgetter, is_, itemgetter, not_
 import networkx as nx
 
 from .effects import storage_readers, storage_root
+from .errors import InputError
 from .gcpause import gc_paused
 from .ops import Free, Input, Launch, Marker, Output, Phase, Wait
 from .program import DATA, Program
 
 
-class VerifyError(ValueError):
+class VerifyError(InputError):
+    """The program breaks an IR rule. Raised on input before any pass runs (the input's fault);
+    after a pass, the pass manager wraps it in a PassFailure (the pass's)."""
+
     def __init__(self, problems: list[str]):
         self.problems = problems
         shown = problems[:10]
@@ -74,6 +78,9 @@ def _structure(program: Program) -> list[str]:
             waits = [u for u, e in succ[name].items() if e["kind"] == DATA and isinstance(node[u]["op"], Wait)]
             if len(waits) != 1:
                 problems.append(f"%{name}: a launch must have exactly one wait; has {len(waits)}")
+            if op.anchor is not None and (op.anchor not in node or op.anchor == name):  # every reference an op holds
+                problems.append(f"%{name}: anchor {op.anchor if op.anchor.startswith('^') else '%' + op.anchor} "
+                                f"{'is the launch itself' if op.anchor == name else 'is not a node of the program'}")
             if op.nbytes is not None and (not isinstance(op.nbytes, int) or isinstance(op.nbytes, bool)
                                           or op.nbytes < 0):
                 problems.append(f"%{name}: nbytes must be a non-negative int, or absent when unknown; "

@@ -14,6 +14,7 @@ from torch import fx
 
 from ..ir import (DTYPE_BYTES, Barrier, EffectError, Cast, Compute, Constant, CopyOut, Free, Input, Launch, Op, Output, Phase, Program,
                   Role, Schedule, TensorType, View, Wait, derive_effects)
+from ..ir.errors import InputError
 from ..ir.gcpause import gc_paused
 from ..ir import tags
 from ..ir.holds import BUCKET_WITHOUT_MEMBERS, NO_PARAMETER_NAME
@@ -22,11 +23,12 @@ from ..ir.opclass import is_attention, is_heavy
 GATHER_TAGS = {tags.ALL_GATHER: Role.GATHER, tags.ALL_GATHER_BACKWARD: Role.REGATHER}
 FREE_TAGS = (tags.RESHARD_FREE, tags.RESHARD_FREE_BACKWARD)
 REDUCE_SCATTER_TAG = tags.REDUCE_SCATTER
+KNOWN_COMM_TYPES = frozenset({*GATHER_TAGS, *FREE_TAGS, REDUCE_SCATTER_TAG})
 CAST_OPS = {"prims::convert_element_type", "aten::_to_copy"}
 COLLECTIVE_NAMESPACES = ("_c10d_functional", "c10d_functional")
 
 
-class LoweringError(ValueError):
+class LoweringError(InputError):
     """A tag the lowering cannot interpret safely; the message names the FX node."""
 
 
@@ -213,6 +215,15 @@ class _Lowering:
         target = info.name
         meta = node.meta
         comm_type = meta.get(tags.COMM_TYPE)
+        if info.collective and (meta.get(tags.BARRIER) or comm_type in FREE_TAGS):
+            # a collective (or its wait) turned into a barrier or free would leave its partner
+            # unpaired: say which tag, not what the verifier makes of the result
+            tag = f"{tags.BARRIER}={meta[tags.BARRIER]!r}" if meta.get(tags.BARRIER) else f"comm_type={comm_type!r}"
+            raise LoweringError(f"%{node.name} ({target}) is a collective {'wait' if info.wait else 'launch'} "
+                                f"tagged {tag}: barrier and free tags go on other nodes; remove the tag")
+        if comm_type is not None and comm_type not in KNOWN_COMM_TYPES:
+            self.notes.append(f"%{node.name}: unknown comm_type={comm_type!r} (known: "
+                              f"{', '.join(sorted(KNOWN_COMM_TYPES))}): treated as untagged")
         if meta.get(tags.BARRIER):
             return Barrier(target=target, reason="tagged barrier", heavy=info.heavy, attention=info.attention, **base)
         if comm_type in GATHER_TAGS and info.all_gather:
