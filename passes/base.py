@@ -14,7 +14,8 @@ from typing import Any, ClassVar
 
 import attrs
 
-from ..ir import Program
+from ..ir import Program, Schedule
+from ..ir.errors import ConfigError
 
 PASSES: dict[str, type[ModulePass]] = {}
 
@@ -44,16 +45,33 @@ class Analysis:
 
 class PassContext:
     """Caches analyses of one program between passes; `options` holds what analyses need
-    from outside the program (e.g. a cost model), the same for every pass of a run."""
+    from outside the program (e.g. a cost model), the same for every pass of a run.
+
+    `entry` is the schedule the program had when the pipeline started (the pass manager sets
+    it; otherwise the first `get` does): analyses that promise an order of gathers give the
+    order their launches had there — the order the reference collects them in — so that a
+    pass moving launches leaves it true, and a fresh computation agrees with a kept one.
+    """
 
     def __init__(self, **options: Any):
         self._cache: dict[type[Analysis], Analysis] = {}
         self.options = options
+        self.entry: Schedule | None = None
+
+    def begin(self, program: Program) -> None:
+        """A pipeline starts on `program`: forget analyses of anything else, record its order."""
+        self._cache.clear()
+        self.entry = program.schedule.copy()
 
     def get(self, kind: type[Analysis], program: Program):
+        if self.entry is None:
+            self.entry = program.schedule.copy()
         if kind not in self._cache:
             self._cache[kind] = kind.compute(program, self)
         return self._cache[kind]
+
+    def cached(self) -> dict[type[Analysis], Analysis]:
+        return dict(self._cache)
 
     def keep_only(self, preserved: tuple[type[Analysis], ...]) -> None:
         self._cache = {k: v for k, v in self._cache.items() if k in preserved}
@@ -67,6 +85,9 @@ class ModulePass:
     #: the pass only reorders the schedule and updates op attributes (no ops or edges added,
     #: removed or rewired), so the manager re-verifies only the schedule after it
     reorders_only: ClassVar[bool] = False
+    #: passes that, when the pipeline has them, must run before this one: the last run of
+    #: this pass must follow the last run of each (a PipelineError names both otherwise)
+    after: ClassVar[tuple[str, ...]] = ()
 
     def apply(self, ctx: PassContext, program: Program) -> PassResult:
         raise NotImplementedError
@@ -122,9 +143,16 @@ def _format(value) -> str:
 
 def check_depth(owner: str, field: str, value) -> None:
     if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-        raise ValueError(f"{owner}: {field} must be a non-negative integer, got {value!r}")
+        raise ConfigError(f"{owner}: {field} must be a non-negative integer, got {value!r}")
 
 
 def check_budget(owner: str, field: str, value) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
-        raise ValueError(f"{owner}: {field} must be a finite non-negative number of GiB, got {value!r}")
+        raise ConfigError(f"{owner}: {field} must be a finite non-negative number of GiB, got {value!r}")
+    # passes count bytes: value * 2**30 must be a finite float (1e300 GiB is not)
+    if value > MAX_GB:
+        raise ConfigError(f"{owner}: {field} must be at most {MAX_GB:g} GiB, got {value!r}")
+
+
+#: the largest budget: 2**63 bytes, beyond any memory and within a float's exact-enough range
+MAX_GB = float(2**33)

@@ -164,6 +164,7 @@ class Budget(ModulePass):
     name = "budget"
     preserves = (GatherAnalysis,)
     reorders_only = True
+    after = ("anchor", "hide")
 
     max_in_flight_gb: float = option(1.0, "most unsharded GiB launched early and not yet consumed")
 

@@ -1,7 +1,9 @@
 """Gather analysis: each FSDP gather's launch chain, realization DAG and first real consumer.
 
-Computed once from the program; membership never changes under the scheduling passes, so
-they all preserve it (positions are read from the live schedule when needed).
+Computed from the program and the order it entered the pipeline with: membership never
+changes under the scheduling passes, and the gathers' order is the entry order, so the passes
+that keep chains whole and consumers in place preserve it (`PassManager(check_analyses=True)`
+recomputes it after each pass to hold them to that).
 """
 
 from __future__ import annotations
@@ -24,16 +26,18 @@ def held_by_lowering(op: Launch) -> bool:
 @attrs.frozen
 class Gather:
     launch: str
-    chain: tuple[str, ...]        # what moves with the launch, in schedule order, launch last
-    realization: tuple[str, ...]  # wait, views and copy-outs, in schedule order
+    chain: tuple[str, ...]        # what moves with the launch, in entry order, launch last
+    realization: tuple[str, ...]  # wait, views and copy-outs, in entry order
     first_consumer: str
     phase: Phase
 
 
 @attrs.frozen
 class GatherAnalysis(Analysis):
-    gathers: tuple[Gather, ...]   # in schedule order of their launches
-    unconsumed: tuple[str, ...]   # gather launches whose realization nobody reads
+    # in the order of their launches when the pipeline started (`PassContext.entry`): the
+    # reference's order, which passes that move launches leave true
+    gathers: tuple[Gather, ...]
+    unconsumed: tuple[str, ...]   # gather launches whose realization nobody reads, same order
 
     @classmethod
     def compute(cls, program: Program, ctx=None) -> GatherAnalysis:
@@ -43,6 +47,15 @@ class GatherAnalysis(Analysis):
         gathers, unconsumed = [], []
         pos = program.schedule.index
         names = program.schedule.names()
+        # chains and realizations are listed in the entry order (a legal order of each: the
+        # entry schedule was verified), which no pass changes; the first consumer is the first
+        # in the order now (passes that move consumers keep none of this)
+        entry = getattr(ctx, "entry", None)
+        if entry is None or entry == program.schedule:
+            key = pos
+        else:
+            at, past = entry.index, len(names)
+            key = lambda n: (at(n) if n in entry else past, pos(n))  # noqa: E731  (nodes the entry lacks go last)
         ops = list(map(itemgetter("op"), map(node.__getitem__, names)))
         for name, op in compress(zip(names, ops), map(isinstance, ops, repeat(Launch))):  # launches, picked in C
             if not op.is_gather:
@@ -56,11 +69,14 @@ class GatherAnalysis(Analysis):
                 continue
             gathers.append(Gather(
                 launch=name,
-                chain=tuple(sorted(launch_chain(program, op), key=pos)),
-                realization=tuple(sorted(realization, key=pos)),
+                chain=tuple(sorted(launch_chain(program, op), key=key)),
+                realization=tuple(sorted(realization, key=key)),
                 first_consumer=min(consumers, key=pos),
                 phase=op.phase,
             ))
+        if key is not pos:
+            gathers.sort(key=lambda g: key(g.launch))
+            unconsumed.sort(key=key)
         return cls(tuple(gathers), tuple(unconsumed))
 
 

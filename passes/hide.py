@@ -18,7 +18,7 @@ import attrs
 
 from ..cost.model import CostAnalysis
 from ..cost.simulate import stream_of
-from ..ir import Launch, Program
+from ..ir import Launch, Program, Role, View
 from ..ir.holds import HIDDEN, NOT_HIDDEN  # NOT_HIDDEN: still anchored, as early as legal exposes the least
 from .base import ModulePass, PassContext, PassResult, register_pass
 from .gathers import Gather, GatherAnalysis, held_by_lowering
@@ -55,7 +55,13 @@ class Hide(ModulePass):
         for name in schedule:
             op = program.op(name)
             if isinstance(op, Launch) and name not in gather_names:
-                begin = start_at[schedule.index(name)]
+                at = schedule.index(name)
+                if op.role is Role.REDUCE_SCATTER:
+                    # timed from the slot just after what it reads or follows: where
+                    # overlap-reduce-scatter hoists it, so a second run over this pipeline's
+                    # own output sees the stream busy at the same times
+                    at = _earliest(program, program.private_feeders(name, (View,)))
+                begin = start_at[at]
                 fixed.setdefault(stream_of(op), []).append((begin, begin + ms.get(name, 0.0)))
 
         stats = {"anchored": 0, HIDDEN: 0, NOT_HIDDEN: 0, "held": 0}
@@ -77,7 +83,7 @@ class Hide(ModulePass):
                 if begin < earliest:
                     begin, reason = earliest, NOT_HIDDEN
                 slot = max(bisect.bisect_right(start_at, begin) - 1, 0)
-                here = schedule.index(g.chain[0])
+                here = min(map(schedule.index, g.chain))
                 # the stream is its from the launch slot it gets (the same on a second run)
                 limit = start_at[min(slot, here)]
                 if slot >= here:  # it stays where it is
@@ -107,6 +113,11 @@ def _fit(begin: float, duration: float, busy: list[tuple[float, float]]) -> floa
 
 def _earliest_slot(program: Program, g: Gather) -> int:
     """The slot just after the chain's latest predecessor (what prefetch can reach at best)."""
+    return _earliest(program, set(g.chain))
+
+
+def _earliest(program: Program, chain: set[str]) -> int:
+    """The slot just after the latest predecessor of `chain` outside it."""
     pos = program.schedule.index
-    chain = set(g.chain)
-    return max((pos(p) + 1 for n in g.chain for p in program.graph.pred[n] if p not in chain), default=0)
+    pred = program.predecessors
+    return max((pos(p) + 1 for n in chain for p in pred[n] if p not in chain), default=0)

@@ -1,12 +1,16 @@
 """Pipelines as text, parsed against the pass registry, and the pass manager that runs them.
 
 `"anchor{forward-depth=2},budget{max-in-flight-gb=1.5},prefetch,sink"` → passes; printing a
-pipeline gives its canonical text. The manager verifies after each pass, and instruments
-(timing, IR printing) hook in before and after every pass.
+pipeline gives its canonical text, and a pipeline that runs a pass before one it must follow
+(`ModulePass.after`) is an error. The manager verifies after each pass, keeps analyses only
+across passes that changed nothing or preserve them (`check_analyses=True` recomputes each
+kept one and fails on a difference), and instruments (timing, IR printing) hook in before
+and after every pass.
 """
 
 from __future__ import annotations
 
+import os
 import re
 import sys
 import time
@@ -15,16 +19,22 @@ from typing import IO
 import attrs
 
 from ..ir import Program, print_program, verify, verify_moves
+from ..ir.errors import InputError, InternalError
 from .pipelines import PIPELINES
 from .base import PASSES, ModulePass, PassContext, PassResult, _format
 from .plugins import load_entry_points
 
 
-class PipelineError(ValueError):
-    """A pipeline text names an unknown pass or option, or gives a bad value."""
+class PipelineError(InputError):
+    """A pipeline text names an unknown pass or option, gives a bad value, or orders passes
+    against their declarations."""
 
 
-class PassFailure(RuntimeError):
+class StaleAnalysis(InternalError):
+    """An analysis kept across a pass differs from one computed afresh after it."""
+
+
+class PassFailure(InternalError):
     """A pass raised or left an invalid program; names it and the passes that ran before.
 
     `remaining` is the pipeline from the failed pass on; when the manager keeps reproducers,
@@ -60,7 +70,22 @@ def parse_pipeline(text: str) -> list[ModulePass]:
         at = m.end()
         if m.group(3) == "," and at >= len(text):
             raise PipelineError("pipeline ends with a comma")
+    check_order(passes)
     return passes
+
+
+def check_order(passes: list[ModulePass]) -> None:
+    """Each pass's last run must follow the last run of every pass it declares in `after`."""
+    last = {p.name: i for i, p in enumerate(passes)}
+    for i, p in enumerate(passes):
+        if last[p.name] != i:
+            continue
+        for name in p.after:
+            if last.get(name, -1) > i:
+                raise PipelineError(
+                    f"pass {name!r} runs after {p.name!r} (at {last[name] + 1} of {len(passes)}), but "
+                    f"{p.name!r} must follow it: {p.name!r} works on what {name!r} decides; "
+                    f"put {p.name!r} after {name!r}")
 
 
 def make_pass(name: str, options: str | None = None) -> ModulePass:
@@ -175,20 +200,45 @@ def _size(program: Program) -> tuple[int, int]:
     return program.size()
 
 
+def _first_difference(kept, fresh) -> str:
+    """Which field of two analyses differs, for the message."""
+    if attrs.has(type(kept)) and type(kept) is type(fresh):
+        for f in attrs.fields(type(kept)):
+            a, b = getattr(kept, f.name), getattr(fresh, f.name)
+            if a != b:
+                if isinstance(a, (tuple, list)) and isinstance(b, (tuple, list)):
+                    at = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+                    show = lambda v: repr(v[at]) if at < len(v) else "(none)"  # noqa: E731
+                    return f"{f.name}[{at}]: kept {show(a)}, fresh {show(b)}"
+                return f"{f.name}: kept {a!r}, fresh {b!r}"
+    return f"kept {kept!r}, fresh {fresh!r}"
+
+
+def _check_analyses_default() -> bool:
+    """FXSCHED_CHECK_ANALYSES=1 turns `check_analyses` on (the test suite does: tests/conftest.py)."""
+    return os.environ.get("FXSCHED_CHECK_ANALYSES", "") not in ("", "0")
+
+
 class PassManager:
     def __init__(self, pipeline: str | list[ModulePass], *, verify_each: bool = True,
-                 instruments: list[Instrument] | None = None, reproducer: bool = False):
+                 instruments: list[Instrument] | None = None, reproducer: bool = False,
+                 check_analyses: bool | None = None):
         self.passes = parse_pipeline(pipeline) if isinstance(pipeline, str) else list(pipeline)
+        if not isinstance(pipeline, str):
+            check_order(self.passes)
         self.verify_each = verify_each
         # keep the program's text before each pass, so a PassFailure can carry it (costs a print per pass)
         self.reproducer = reproducer
         self.instruments = list(instruments or [])
+        # recompute every analysis kept across a pass and fail on a difference (slow; tests)
+        self.check_analyses = _check_analyses_default() if check_analyses is None else check_analyses
 
     def __str__(self) -> str:
         return print_pipeline(self.passes)
 
     def run(self, program: Program, ctx: PassContext | None = None) -> PipelineResult:
         ctx = ctx or PassContext()
+        ctx.begin(program)
         if self.verify_each:  # an invalid input is the input's fault: say so before a pass trips on it
             verify(program)
         results = []
@@ -211,9 +261,12 @@ class PassManager:
             schedule.take_moved()
             try:
                 result = p.apply(ctx, program)
+            except InputError:
+                raise  # the input's fault (a cost model's bad value, ...): it names the place
             except Exception as exc:
                 raise failure(i, exc, "failed") from exc
-            ctx.keep_only(p.preserves)
+            if result.changed:  # a pass that changed nothing keeps every analysis true
+                ctx.keep_only(p.preserves)
             if self.verify_each:
                 try:
                     same_size = size == _size(program)
@@ -227,6 +280,11 @@ class PassManager:
                         moves_only = []
                 except ValueError as exc:
                     raise failure(i, exc, "left an invalid program") from exc
+            if self.check_analyses:  # on the verified program: every kept analysis as if fresh
+                try:
+                    self._check_analyses(ctx, program)
+                except StaleAnalysis as exc:
+                    raise failure(i, exc, "kept a stale analysis") from exc
             for inst in self.instruments:
                 inst.after(p, program, result)
             results.append((p, result))
@@ -239,3 +297,11 @@ class PassManager:
                 # rerun from the first of them: the IR before it is the last one known valid
                 raise failure(moves_only[0], exc, f"(or one of {names}) left an invalid program", last) from exc
         return PipelineResult(results)
+
+    @staticmethod
+    def _check_analyses(ctx: PassContext, program: Program) -> None:
+        for kind, kept in ctx.cached().items():
+            fresh = kind.compute(program, ctx)
+            if fresh != kept:
+                raise StaleAnalysis(f"{kind.__name__} kept across it differs from a fresh one: "
+                                    f"{_first_difference(kept, fresh)}")

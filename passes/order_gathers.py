@@ -29,6 +29,7 @@ class OrderGathers(ModulePass):
     name = "order-gathers"
     preserves = (GatherAnalysis,)
     reorders_only = True
+    after = ("prefetch",)
 
     max_in_flight_gb: float = option(1.0, "most unsharded GiB launched early and not yet consumed")
 

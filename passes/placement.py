@@ -29,7 +29,7 @@ def plan(program: Program, analysis: GatherAnalysis, schedule: Schedule,
         # just before the anchor, and after everything the chain reads or must follow
         outside = [p for name in g.chain for p in pred[name] if p not in chain]
         position = max(pos(op.anchor), max(map(pos, outside), default=-1) + 1)
-        if position >= pos(g.chain[0]):
+        if position >= min(map(pos, g.chain)):
             yield g, None, NO_EARLIER_SLOT
             continue
         target = schedule[position]

@@ -22,6 +22,7 @@ class Prefetch(ModulePass):
     name = "prefetch"
     preserves = (GatherAnalysis,)
     reorders_only = True
+    after = ("anchor", "hide", "budget")
 
     def apply(self, ctx: PassContext, program: Program) -> PassResult:
         analysis = ctx.get(GatherAnalysis, program)

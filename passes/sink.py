@@ -24,7 +24,8 @@ class Sink(ModulePass):
 
     def apply(self, ctx: PassContext, program: Program) -> PassResult:
         analysis = ctx.get(GatherAnalysis, program)
-        sunk = sum(sink_in_order(program, g.realization) for g in analysis.gathers)
+        pos = program.schedule.index
+        sunk = sum(sink_in_order(program, sorted(g.realization, key=pos)) for g in analysis.gathers)
         return PassResult(sunk > 0, {"sunk": sunk})
 
 

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 
@@ -43,3 +45,8 @@ class FxirItem(pytest.Item):
 
     def reportinfo(self):
         return self.path, 0, f"fxir: {self.name}"
+
+
+# every PassManager in the tests recomputes each analysis it keeps across a pass and fails on
+# a difference (passes/manager.py): a kept analysis must never change a result
+os.environ.setdefault("FXSCHED_CHECK_ANALYSES", "1")

@@ -353,13 +353,23 @@ def test_pass_context_caches_analyses_and_drops_those_not_preserved(extra_passes
 
         def apply(self, ctx, program):
             ctx.get(Counting, program)
+            return PassResult(True)
+
+    @extra_passes
+    @dataclasses.dataclass(frozen=True)
+    class Idle(ModulePass):
+        name = "test-idle"  # preserves nothing, but changes nothing either
+
+        def apply(self, ctx, program):
             return PassResult(False)
 
     Counting.computed = 0
     ctx = PassContext()
     program = parse_program(PROGRAM)
-    PassManager("test-keeps,test-keeps,test-drops,test-keeps,test-keeps").run(program, ctx)
-    # computed for the first pass, reused by the next two, dropped after test-drops, computed again
+    PassManager("test-keeps,test-idle,test-keeps,test-drops,test-keeps,test-keeps",
+                check_analyses=False).run(program, ctx)
+    # computed for the first pass, kept across test-idle (no change) and reused, dropped after
+    # test-drops (it changed the program and preserves nothing), computed again
     assert Counting.computed == 2
     first = ctx.get(Counting, program)
     assert ctx.get(Counting, program) is first and Counting.computed == 2
@@ -378,7 +388,7 @@ def test_the_gather_analysis_is_computed_once_per_pipeline(monkeypatch):
     monkeypatch.setattr(GatherAnalysis, "compute", classmethod(counting))
     ctx = PassContext()
     program = parse_program(PROGRAM)
-    PassManager("anchor,budget,prefetch,sink").run(program, ctx)
+    PassManager("anchor,budget,prefetch,sink", check_analyses=False).run(program, ctx)
     assert len(calls) == 1
     assert ctx.get(GatherAnalysis, program).gathers[1].launch == "a2" and len(calls) == 1
 
@@ -391,3 +401,83 @@ def test_an_option_given_twice_is_an_error():
 def test_unknown_option_lists_defaults_in_pipeline_syntax():
     with pytest.raises(PipelineError, match=r"attention \(default true\)"):
         parse_pipeline("anchor{nope=1}")
+
+
+# ---- kept analyses are checked; the gathers' order is the entry order ------------------------------
+
+class Lying(Analysis):
+    """An analysis of the schedule's first node: it goes stale when the order changes."""
+
+    def __init__(self, first):
+        self.first = first
+
+    def __eq__(self, other):
+        return isinstance(other, Lying) and other.first == self.first
+
+    @classmethod
+    def compute(cls, program, ctx):
+        return cls(program.schedule[0])
+
+
+def test_check_analyses_catches_a_pass_that_keeps_a_stale_analysis(extra_passes):
+    @extra_passes
+    @dataclasses.dataclass(frozen=True)
+    class Rotates(ModulePass):
+        name = "test-rotates"
+        preserves = (Lying,)  # wrongly: it changes the first node
+        reorders_only = True
+
+        def apply(self, ctx, program):
+            ctx.get(Lying, program)
+            names = program.schedule.names()
+            program.schedule.move_before([names[0]], names[2])  # x goes after w1: both inputs
+            return PassResult(True)
+
+    program = parse_program(PROGRAM)
+    # (the move breaks the entry rule too: the verifier is off to see the analysis check alone)
+    PassManager("test-rotates", check_analyses=False, verify_each=False).run(program)  # unnoticed
+    with pytest.raises(PassFailure, match=r"pass 'test-rotates' kept a stale analysis: StaleAnalysis: Lying"):
+        PassManager("test-rotates", check_analyses=True, verify_each=False).run(parse_program(PROGRAM))
+
+
+def test_check_analyses_is_on_in_the_tests():
+    assert PassManager("sink").check_analyses
+    assert not PassManager("sink", check_analyses=False).check_analyses
+
+
+def test_the_gathers_keep_their_entry_order_after_prefetch():
+    """After prefetch moved a2, the analysis, kept or fresh, lists the gathers in the order
+    their launches had when the pipeline started (the reference's order, which sink walks)."""
+    ctx = PassContext()
+    program = parse_program(PROGRAM)
+    PassManager("anchor,budget,prefetch", check_analyses=True).run(program, ctx)
+    kept = ctx.get(GatherAnalysis, program)
+    fresh = GatherAnalysis.compute(program, ctx)
+    assert kept == fresh
+    entry = [n for n in ctx.entry if n in {g.launch for g in fresh.gathers}]
+    assert [g.launch for g in fresh.gathers] == entry
+
+
+@pytest.mark.parametrize("text,first,second", [
+    ("budget{max-in-flight-gb=0},anchor,prefetch,sink", "anchor", "budget"),
+    ("budget,hide,prefetch", "hide", "budget"),
+    ("anchor,prefetch,budget", "budget", "prefetch"),
+    ("anchor,budget,prefetch,sink,anchor", "anchor", "budget"),
+    ("anchor,budget,prefetch,order-gathers,prefetch", "prefetch", "order-gathers"),
+])
+def test_a_pipeline_that_runs_a_pass_before_one_it_needs_names_both(text, first, second):
+    with pytest.raises(PipelineError, match=rf"pass '{first}' runs after '{second}'.*'{second}' must follow it"):
+        parse_pipeline(text)
+    with pytest.raises(PipelineError, match=rf"'{second}' must follow it"):  # a list of passes too
+        PassManager(parse_pipeline_unchecked(text))
+
+
+def parse_pipeline_unchecked(text):
+    return [make_pass(item.split("{")[0], item.partition("{")[2].rstrip("}") or None) for item in text.split(",")]
+
+
+@pytest.mark.parametrize("text", ["anchor,budget,prefetch,anchor,budget,prefetch,sink", "hide,anchor,budget,prefetch",
+                                  "sink,anchor,budget,prefetch,sink", "overlap-reduce-scatter,hide,budget,prefetch",
+                                  "anchor,prefetch", "budget,prefetch", "prefetch", "reference", "default"])
+def test_pipelines_in_a_declared_order_parse(text):
+    assert parse_pipeline(text)
