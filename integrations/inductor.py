@@ -16,8 +16,9 @@ recomputed there, re-gathers included), so a schedule made there would not survi
 Each call: recognise untagged FSDP gathers and gradient reductions (`lowering.structural`), then lower → run the
 pipeline → raise (via `fxsched.schedule`), and give the given `fx.Graph` the raised order in
 place (the same node objects, relinked; nothing Inductor holds is invalidated). Its `uuid()`
-hashes the pipeline text, the options, fxsched's version and its sources, so Inductor's FX
-graph cache keys on it (a cache hit skips the pass: the compiled code already has its order).
+hashes the pipeline text, the options, fxsched's version and every source file the pass can
+execute (`source_files`), so Inductor's FX graph cache keys on it (a cache hit skips the
+pass: the compiled code already has its order).
 """
 
 from __future__ import annotations
@@ -47,23 +48,32 @@ HOOK = "post_grad_custom_post_pass"
 RECORDS: collections.deque[dict[str, Any]] = collections.deque(maxlen=256)
 
 _PACKAGE = pathlib.Path(__file__).resolve().parent.parent
-_SOURCE_DIRS = ("ir", "lowering", "passes", "raising", "integrations")
-_SOURCE_FILES = ("api.py", "config.py", "__init__.py")
+#: top-level folders of the repository that the pass never executes (every other .py counts)
+_NOT_EXECUTED = frozenset({"tests", "bench", "scripts", "docs", "build", ".venv", ".git"})
 _ABSENT = object()
+
+
+def source_files(root: pathlib.Path = _PACKAGE) -> list[pathlib.Path]:
+    """Every .py file of the package the pass can execute: all of it but tests, benchmarks and
+    scripts (cost/ prices ops for `hide`, so a changed hardware number changes schedules)."""
+    return sorted(p for p in root.rglob("*.py")
+                  if p.relative_to(root).parts[0] not in _NOT_EXECUTED and "__pycache__" not in p.parts)
+
+
+def source_hash(root: pathlib.Path = _PACKAGE) -> str:
+    """A hash of the names and bytes of `source_files(root)`."""
+    digest = hashlib.sha256()
+    for path in source_files(root):
+        digest.update(path.relative_to(root).as_posix().encode() + b"\0")
+        data = path.read_bytes()
+        digest.update(len(data).to_bytes(8, "little") + data)
+    return digest.hexdigest()
 
 
 @functools.lru_cache(maxsize=1)
 def _source_hash() -> str:
-    """A hash of the fxsched sources a schedule depends on (so an edited pass invalidates the cache)."""
-    digest = hashlib.sha256()
-    files = [_PACKAGE / f for f in _SOURCE_FILES]
-    for folder in _SOURCE_DIRS:
-        files += sorted((_PACKAGE / folder).glob("*.py"))
-    for path in files:
-        if path.is_file():
-            digest.update(path.relative_to(_PACKAGE).as_posix().encode())
-            digest.update(path.read_bytes())
-    return digest.hexdigest()
+    """`source_hash()` of this installation, once per process."""
+    return source_hash()
 
 
 def graph_phase(graph: fx.Graph) -> str:

@@ -5,13 +5,17 @@
     .venv/bin/python scripts/fuzz.py --examples 5000 --graph-examples 200 -k ir_programs
     .venv/bin/python scripts/fuzz.py --seed 1234                 # replay one run's choices
 
-CI runs the same tests with a few derandomized examples each. Here every test draws
-`--examples` random cases (`--graph-examples` for the tests that generate FX graphs, ~1 s a
-case; default: the same number). Failures are shrunk, printed with the graph options and the
-pipeline, and saved in .hypothesis/ so that the next run tries them first; the smallest case of
-each failing test is also written as an IR test file, `--reproducers DIR/NAME.fxir` (default
-fuzz-reproducers/), whose RUN line reruns it with `fxsched opt` (tests/reproducers.py). Extra
-arguments go to pytest (e.g. `-x`, `-v`).
+The tests: generated FX graphs and IR programs scheduled by random pipelines (legal, within
+budget, stable on a second run; `hide` pipelines move nothing at all), the reference run
+twice against the oracle (tests/oracle.py), and the IR parser on mutated programs (a program
+or a ParseError with line and column; a valid one then runs through a pipeline with every
+kept analysis checked). CI runs the same tests with a few derandomized examples each. Here
+every test draws `--examples` random cases (`--graph-examples` for the tests that generate
+FX graphs, ~1 s a case; default: the same number). Failures are shrunk, printed with the
+graph options and the pipeline, and saved in .hypothesis/ so that the next run tries them
+first; the smallest case of each failing test is also written as an IR test file,
+`--reproducers DIR/NAME.fxir` (default fuzz-reproducers/), whose RUN line reruns it with
+`fxsched opt` (tests/reproducers.py). Extra arguments go to pytest (e.g. `-x`, `-v`).
 """
 
 from __future__ import annotations

@@ -9,6 +9,7 @@ inside or a wrong schedule.
 from __future__ import annotations
 
 import math
+import re
 import textwrap
 from types import SimpleNamespace
 
@@ -18,9 +19,10 @@ from torch import fx
 
 import fxsched
 from fxsched.ir import ParseError, VerifyError, parse_program, verify
+from fxsched.ir.errors import ConfigError, CostModelError
 from fxsched.lowering import lower
 from fxsched.lowering.fx import LoweringError
-from fxsched.passes import DEFAULT_PIPELINE, PassManager, PipelineError, parse_pipeline
+from fxsched.passes import DEFAULT_PIPELINE, PassContext, PassFailure, PassManager, PipelineError, parse_pipeline
 
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
@@ -417,3 +419,138 @@ def test_a_collective_not_waited_exactly_once_is_a_barrier():
     assert f"%{ar.name}: collective not waited exactly once: kept as a barrier" in done.program.notes
     new = order(done.graph_module)
     assert new.index("all_gather_into_tensor_default_1") > new.index(ar.name)
+
+
+# ---- found by trying fxsched as outsiders would (issue 13) ------------------------------------
+
+IR_GATHER = textwrap.dedent('''\
+    %x = input
+    %s = input
+    %g = launch "ag"(%s) {role = fsdp_all_gather, nbytes = 64, params = ["p"]}
+    %w = wait(%g)
+    %m = compute "aten.mm"(%x, %w) {heavy}
+    %output = output(%m)
+''')
+
+
+@pytest.mark.parametrize("edit,line,at,message", [
+    (("nbytes = 64", "nbytes = " + "9" * 5000), 3, "9999", "number 99999.* is out of range"),
+    (("nbytes = 64", "nbytes = 9223372036854775808"), 3, "9223372036854775808", "out of range"),
+    (('%x = input', '%x = input : f32[' + "9" * 30 + ']'), 1, "999", "out of range"),
+    (('"aten.mm"', r'"aten\qmm"'), 5, r"\q", r"bad string: Invalid \\escape"),
+    (('"aten.mm"', '"aten\tmm"'), 5, "\t", "a raw control character"),
+    (('"ag"', r'"ag\u12"'), 3, "u12", r"bad string: Invalid \\uXXXX escape"),
+    (('params = ["p"]', "params = " + "[" * 40), 3, "[" * 24, "lists nest more than 16 deep"),
+])
+def test_numbers_strings_and_escapes_in_ir_text_are_parse_errors(edit, line, at, message):
+    """The error points at the spot (`at` starts at its column) and shows a window of the line."""
+    text = IR_GATHER.replace(*edit)
+    with pytest.raises(ParseError, match=message) as info:
+        parse_program(text)
+    assert info.value.line == line
+    assert text.splitlines()[line - 1][info.value.column - 1:].startswith(at)
+    assert len(str(info.value).splitlines()[1]) < 120  # the line is shown around the spot, not whole
+
+
+def test_a_tab_between_tokens_is_whitespace():
+    program = parse_program(IR_GATHER.replace("%m = compute", "%m\t=\tcompute"))
+    verify(program)
+
+
+def test_use_after_free_in_ir_text_is_a_parse_error_on_the_reading_line():
+    text = IR_GATHER.replace('%m = compute', '%f = free "release"(%w) {params = ["p"]}\n%m = compute')
+    with pytest.raises(ParseError, match=r"%m reads storage that %f freed before it") as info:
+        parse_program(text)
+    assert info.value.line == 6
+
+
+def test_an_anchor_that_names_no_node_fails_verification_before_any_pass():
+    text = IR_GATHER.replace('params = ["p"]', 'params = ["p"], anchor = %nope')
+    with pytest.raises(VerifyError, match=r"%g: anchor %nope is not a node of the program"):
+        verify(parse_program(text))
+    for pipeline in ("prefetch", "budget,prefetch", REFERENCE):  # not a KeyError inside prefetch
+        with pytest.raises(VerifyError, match="anchor %nope"):
+            PassManager(pipeline).run(parse_program(text))
+
+
+@pytest.mark.parametrize("value", [1e300, 1e10, float(2**34)])
+def test_a_budget_too_large_to_count_in_bytes_is_rejected(value):
+    with pytest.raises(PipelineError, match=rf"budget: max-in-flight-gb must be at most .* GiB, got {re.escape(repr(value))}"):
+        parse_pipeline(f"anchor,budget{{max-in-flight-gb={value!r}}},prefetch")
+    with pytest.raises(ConfigError, match="config: max_in_flight_gb must be at most"):
+        fxsched.overlap_param_gather(plain(), fxsched.PassConfig(max_in_flight_gb=value))
+    done = fxsched.schedule(plain(), f"anchor,budget{{max-in-flight-gb={2.0**33!r}}},prefetch")  # the largest
+    assert moved(done) == {"all_gather_into_tensor_default_1", "all_gather_into_tensor_default_2",
+                           "all_gather_into_tensor_default_3"}
+
+
+@pytest.mark.parametrize("where,meta,tag", [
+    ("gather", {"barrier": True}, "barrier=True"),
+    ("wait", {"barrier": True}, "barrier=True"),
+    ("wait", {"comm_type": "fsdp_reshard_free"}, "comm_type='fsdp_reshard_free'"),
+    ("gather", {"comm_type": "fsdp_reshard_free_backward"}, "comm_type='fsdp_reshard_free_backward'"),
+])
+def test_a_barrier_or_free_tag_on_a_collective_or_its_wait_names_node_and_tag(where, meta, tag):
+    b = Graph()
+    b.layer(0)
+    launch = b.gather(1, **(meta if where == "gather" else {}))
+    wait = b.call(c10d.wait_tensor.default, launch, **(meta if where == "wait" else {}))
+    b.use(wait)
+    node = launch if where == "gather" else wait
+    kind = "launch" if where == "gather" else "wait"
+    with pytest.raises(LoweringError, match=rf"%{node.name} \(.*\) is a collective {kind} tagged {re.escape(tag)}"):
+        fxsched.schedule(b.done(), REFERENCE)
+
+
+def test_an_unknown_comm_type_is_a_note_listing_the_known_ones():
+    b = Graph()
+    b.layer(0)
+    launch = b.layer(1, comm_type="fsdp_all_gathr")
+    done = fxsched.schedule(b.done(), REFERENCE)
+    note = next(n for n in done.program.notes if n.startswith(f"%{launch.name}: unknown comm_type"))
+    assert "'fsdp_all_gathr'" in note and "fsdp_all_gather, fsdp_all_gather_backward" in note
+    assert launch.name not in {r["launch"] for r in done.report["gathers"]}  # a plain collective, said so
+
+
+@pytest.mark.parametrize("answer,shown", [("fast", "ValueError"), (float("nan"), "gave nan ms"),
+                                          (-1.0, "gave -1.0 ms"), (float("inf"), "gave inf ms")])
+def test_a_cost_models_bad_answer_names_the_model_and_the_op_not_the_pass(answer, shown):
+    def slow_mm(op):
+        return answer if getattr(op, "target", "") == "aten.mm" else None
+
+    with pytest.raises(CostModelError, match=rf"cost model Callback\(.*slow_mm\) .*%m \(compute 'aten.mm'\)") as info:
+        PassManager(DEFAULT_PIPELINE).run(parse_program(IR_GATHER), PassContext(cost_model=slow_mm))
+    assert shown in str(info.value) and not isinstance(info.value, PassFailure)
+
+
+def test_a_budget_before_the_anchoring_pass_is_a_pipeline_error_naming_both():
+    for text, first in (("budget{max-in-flight-gb=0.0},anchor,prefetch,sink", "anchor"),
+                        ("budget{max-in-flight-gb=0.0},hide,prefetch,sink", "hide")):
+        with pytest.raises(PipelineError, match=rf"pass '{first}' runs after 'budget' .* 'budget' must follow it"):
+            parse_pipeline(text)
+    # in the declared order a zero budget moves nothing, and the report says so
+    done = fxsched.schedule(plain(), "anchor,budget{max-in-flight-gb=0.0},prefetch,sink")
+    assert not moved(done) and {r["reason"] for r in done.report["gathers"][1:]} == {"over budget"}
+
+
+def test_every_input_error_is_one_cli_line_and_exit_2(capsys, tmp_path):
+    from fxsched.cli import main
+
+    cases = [
+        ["schedule", "test_bad_input:barrier_on_a_gather", "--pipeline", "reference"],
+        ["schedule", "test_bad_input:well_formed", "--pipeline", "budget{max-in-flight-gb=0},anchor,prefetch"],
+        ["schedule", "test_bad_input:well_formed", "--pipeline", "anchor,budget{max-in-flight-gb=1e300}"],
+    ]
+    for argv in cases:
+        code = main(argv)
+        _, err = capsys.readouterr()
+        assert code == 2, (argv, err)
+        assert err.startswith("fxsched: ") and "Traceback" not in err, (argv, err)
+
+
+def well_formed() -> fx.GraphModule:
+    return plain()
+
+
+def barrier_on_a_gather() -> fx.GraphModule:
+    return plain(barrier=True)

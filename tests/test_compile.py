@@ -17,6 +17,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import pathlib
 import pickle
 
 import pytest
@@ -228,6 +229,38 @@ def test_uuid_is_stable_and_keyed_on_pipeline():
     assert FxschedInductorPass("anchor{forward-depth=2},budget,prefetch,sink").uuid() != a.uuid()
     assert FxschedInductorPass(structural=False).uuid() != a.uuid()
     assert pickle.loads(pickle.dumps(a)).uuid() == a.uuid()
+
+
+def test_the_uuid_covers_every_source_file_the_pass_can_execute(tmp_path):
+    """Changing any one byte of any module in a copy of the package changes the source hash
+    (cost/ included: a hardware number changes `hide`'s schedule), and every fxsched module
+    a scheduled compile has imported is one of the hashed files."""
+    import shutil
+    import sys
+
+    from fxsched.integrations import inductor
+
+    root = tmp_path / "fxsched"
+    shutil.copytree(inductor._PACKAGE, root, ignore=shutil.ignore_patterns("__pycache__", ".*", "tests", "bench"))
+    files = inductor.source_files(root)
+    assert {f.relative_to(root).as_posix() for f in files} >= {"cost/hardware.py", "cost/model.py", "ir/text.py",
+                                                                "passes/hide.py", "api.py"}
+    base = inductor.source_hash(root)
+    for path in files:
+        data = path.read_bytes()
+        path.write_bytes(data + b"#")
+        assert inductor.source_hash(root) != base, f"a change to {path.relative_to(root)} keeps the hash"
+        path.write_bytes(data)
+    assert inductor.source_hash(root) == base
+
+    gm = make_fx(lambda x: (x @ x).relu())(torch.randn(4, 4))
+    FxschedInductorPass()(gm.graph)
+    hashed = {p.resolve() for p in inductor.source_files()}
+    package = inductor._PACKAGE
+    executed = {pathlib.Path(m.__file__).resolve() for name, m in list(sys.modules.items())
+                if name.split(".")[0] == "fxsched" and getattr(m, "__file__", None)
+                and pathlib.Path(m.__file__).resolve().is_relative_to(package)}
+    assert executed and not executed - hashed, f"imported but not hashed: {sorted(executed - hashed)}"
 
 
 def test_bad_pipeline_fails_when_the_pass_is_made():

@@ -37,13 +37,15 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 import fxsched
 from fxsched.front.generate import generate_graph, min_nodes
-from fxsched.ir import (Barrier, Compute, CopyOut, Free, Input, Launch, Marker, Output, Phase, View, Wait,
-                        parse_program, print_program, verify)
+from fxsched.ir import (Barrier, Compute, CopyOut, Free, Input, Launch, Marker, Output, ParseError, Phase, View,
+                        VerifyError, Wait, parse_program, print_program, verify)
 from fxsched.lowering import lower
 from fxsched.passes import DEFAULT_PIPELINE, REFERENCE_PIPELINE, PassManager
 
 from irtest import STACK_AFTER_A_BARRIER
 from reproducers import reproducer_on_failure
+from test_reference_oracle import clone, oracle, outcome
+from test_reference_oracle import config as ref_config
 
 FUZZ = int(os.environ.get("FXSCHED_FUZZ_EXAMPLES", "0") or 0)
 FUZZ_GRAPHS = int(os.environ.get("FXSCHED_FUZZ_GRAPH_EXAMPLES", "0") or 0) or FUZZ
@@ -416,6 +418,36 @@ def test_generated_graphs_schedule_legally_within_budget_and_stably(graph, pipel
     again = fxsched.schedule(done.graph_module, text)  # the second run, on the raised graph
     check_fx_schedule(original, again.graph_module, limit)  # still within budget, counted from the start
     assert_same_places(done.graph_module, again.graph_module)  # every pipeline, `hide` included
+    if text.startswith("hide"):  # a pipeline that anchors with hide moves nothing at all
+        assert [n.name for n in again.graph_module.graph.nodes] == [n.name for n in done.graph_module.graph.nodes]
+
+
+@examples(4, graphs=True)
+@given(graph=graph_options(), forward=st.integers(0, 3), backward=st.integers(0, 3),
+       limit=st.sampled_from(BUDGETS))
+def test_the_reference_on_its_own_output_does_what_the_reference_does(graph, forward, backward, limit):
+    """Run twice, the reference pipeline (the drop-in) gives exactly the oracle's node order,
+    counts and anchors each time (tests/oracle.py: SPEC.md's reference, run twice). It need
+    not be stable: chains stacked on one slot are stacked again the other way round."""
+    num_nodes, options = graph
+    note(f"generate_graph({num_nodes}, **{options}); budget {limit} B, depths {forward}/{backward}")
+    gm = _graph(num_nodes, **options)
+    expected, got = clone(gm), clone(gm)
+    for run in (1, 2):
+        oracle.run(expected, True, limit / GIB, forward, backward)
+        fxsched.overlap_param_gather(got, ref_config(limit / GIB, forward, backward))
+        assert outcome(got) == outcome(expected), f"run {run} differs from the reference's"
+
+
+def test_the_default_pipeline_moves_nothing_on_its_own_output():
+    """The case the fuzzer found: the second run moved two backward re-gathers (hide saw the
+    reduce-scatters overlap-reduce-scatter had hoisted as busying the stream earlier)."""
+    original = _graph(354, layers=3, attention=False, barriers=False, seed=0)
+    once = fxsched.schedule(original, DEFAULT_PIPELINE)
+    twice = fxsched.schedule(once.graph_module, DEFAULT_PIPELINE)
+    assert [n.name for n in twice.graph_module.graph.nodes] == [n.name for n in once.graph_module.graph.nodes]
+    assert not any(stats["changed"] for name, stats in twice.report["passes"].items()
+                   if name.split("{")[0] in ("budget", "prefetch", "order-gathers"))
 
 
 @examples(5, graphs=True)
@@ -782,3 +814,66 @@ HAND_WRITTEN = {
 def test_hand_written_programs(name, pipeline, limit):
     text = "\n".join(line.strip() for line in HAND_WRITTEN[name].strip().splitlines()) + "\n"
     run_text(text, pipeline, limit)
+
+
+# ============================================================================================
+# the IR parser on mutated text: a program or a ParseError with a place, never anything else
+# ============================================================================================
+
+#: fragments a mutation inserts: the characters and tokens the grammar gives meaning to, and
+#: what broke it before (huge numbers, escapes, raw tabs, deep lists, effects, markers)
+FRAGMENTS = ["%", "%x", "%nope", "%w0", "^backward", "^entry", "^", "=", "(", ")", "{", "}", "[", "]", ",", ":",
+             "?", "->", '"', "\\", '\\"', "\\q", "\\u12", "\\t", "\t", " ", "//", "-", "0", "-1", "9" * 40,
+             "9" * 5000, "1.5", "nbytes = ", "anchor = %x", "anchor = %nope", "hold = \"x\"", "heavy", "bwd",
+             "role = fsdp_all_gather", "params = [\"p0\"]", "f32[2,?]", "none", "[" * 30, "effect %x -> %c0",
+             "\n", "\n^backward\n", "\neffect %g0 -> %x\n", "\n%f9 = free \"release\"(%x)\n", "launch", "wait",
+             "free", "view", "compute", "output", "input", "\u00e9", "\x00", "\x0b", "\r"]
+
+
+@st.composite
+def mutated_ir_text(draw) -> str:
+    """A valid program with a few edits: fragments inserted, spans deleted or repeated, lines swapped."""
+    text = draw(st.one_of(ir_programs(), st.sampled_from(sorted(HAND_WRITTEN.values()))))
+    for _ in range(draw(st.integers(1, 4))):
+        at = draw(st.integers(0, len(text)))
+        edit = draw(st.sampled_from(["insert", "insert", "delete", "repeat", "swap"]))
+        if edit == "insert":
+            text = text[:at] + draw(st.sampled_from(FRAGMENTS) | st.text(max_size=3)) + text[at:]
+        elif edit == "delete":
+            text = text[:at] + text[at + draw(st.integers(1, 12)):]
+        elif edit == "repeat":
+            end = min(len(text), at + draw(st.integers(1, 40)))
+            text = text[:end] + text[at:end] + text[end:]
+        else:
+            lines = text.splitlines()
+            if len(lines) > 1:
+                i, j = draw(st.integers(0, len(lines) - 1)), draw(st.integers(0, len(lines) - 1))
+                lines[i], lines[j] = lines[j], lines[i]
+                text = "\n".join(lines) + "\n"
+    return text
+
+
+@examples(150)
+@given(text=mutated_ir_text(), pipeline=st.sampled_from([DEFAULT_PIPELINE, REFERENCE_PIPELINE, "hide,prefetch,sink",
+                                                          "prefetch,sink", "budget{max-in-flight-gb=0.0},prefetch"]))
+def test_mutated_ir_text_parses_or_names_line_and_column(text, pipeline):
+    """Any text: `parse_program` gives a program or a ParseError with a line and column in the
+    text; a program then verifies or fails with a VerifyError; a verified one goes through a
+    pipeline without any error at all (with every kept analysis checked against a fresh one)."""
+    note(f"pipeline {pipeline!r}\n{text!r}")
+    try:
+        program = parse_program(text)
+    except ParseError as exc:
+        event("parse error")
+        assert 1 <= exc.line <= max(1, len(text.splitlines())) and exc.column >= 1
+        return
+    try:
+        verify(program)
+    except VerifyError:
+        event("verify error")
+        return
+    event("valid")
+    PassManager(pipeline, check_analyses=True).run(program)
+    verify(program)
+    again = parse_program(print_program(program))  # what a pass leaves prints and parses back
+    verify(again)
