@@ -3,6 +3,12 @@
 Latest first, each realization node with users goes just before the earliest of its
 successors (data and effect: barriers, the phase marker and frees bound it through their
 edges) and of the realization node after it, so independent branches keep their order.
+
+Realizations that land before the same node stack in the order the gathers are walked:
+`order=launch` (the reference's) walks them in the order their launches had when the
+pipeline started; `order=wait` in the order their waits are now, so that a second run over
+the pipeline's own output keeps every stack as it is even where a later pass
+(order-gathers) changed the launch order.
 """
 
 from __future__ import annotations
@@ -11,6 +17,7 @@ import dataclasses
 from operator import itemgetter
 
 from ..ir import DATA, Program
+from ..ir.errors import ConfigError
 from .base import ModulePass, PassContext, PassResult, register_pass
 from .gathers import GatherAnalysis
 
@@ -22,10 +29,19 @@ class Sink(ModulePass):
     preserves = (GatherAnalysis,)
     reorders_only = True
 
+    order: str = "launch"
+
+    def __post_init__(self):
+        if self.order not in ("launch", "wait"):
+            raise ConfigError(f"sink: order must be launch or wait, got {self.order!r}")
+
     def apply(self, ctx: PassContext, program: Program) -> PassResult:
         analysis = ctx.get(GatherAnalysis, program)
         pos = program.schedule.index
-        sunk = sum(sink_in_order(program, sorted(g.realization, key=pos)) for g in analysis.gathers)
+        gathers = analysis.gathers
+        if self.order == "wait":
+            gathers = sorted(gathers, key=lambda g: min(map(pos, g.realization)))
+        sunk = sum(sink_in_order(program, sorted(g.realization, key=pos)) for g in gathers)
         return PassResult(sunk > 0, {"sunk": sunk})
 
 
