@@ -83,8 +83,8 @@ def test_unknown_option_lists_the_options_of_that_pass():
     assert all(o in message for o in ("forward-depth", "backward-depth", "attention"))
     with pytest.raises(PipelineError, match="pass 'budget' has no option 'forward-depth'; options: max-in-flight-gb"):
         parse_pipeline("budget{forward-depth=1}")
-    with pytest.raises(PipelineError, match="pass 'sink' has no option 'x'; options: none"):
-        parse_pipeline("sink{x=1}")
+    with pytest.raises(PipelineError, match="pass 'prefetch' has no option 'x'; options: none"):
+        parse_pipeline("prefetch{x=1}")
 
 
 @pytest.mark.parametrize("text,fragments", [

@@ -26,3 +26,43 @@ def test_sinking_runs_with_prefetch_off_and_each_pass_leaves_a_valid_program():
         p.apply(ctx, program)
         verify(program)
     assert program.schedule.names()[3:6] == ["a", "n", "t"]  # sinking runs even with prefetch off
+
+
+STACKED = dedent('''
+    %x = input
+    %w1 = input
+    %w2 = input
+    ^entry
+    %a2 = launch "ag"(%w2) {role = fsdp_all_gather, nbytes = 64, params = ["w2"]}
+    %a1 = launch "ag"(%w1) {role = fsdp_all_gather, nbytes = 64, params = ["w1"]}
+    %t1 = wait(%a1)
+    %t2 = wait(%a2)
+    %c = compute "aten.neg"(%x)
+    %m = compute "aten.mm"(%t1, %t2)
+    %output = output(%m)
+''')
+
+
+def test_realizations_before_one_node_stack_in_launch_order_or_in_wait_order():
+    """Both waits sink to just before %m: walked in launch order (the reference's) %t2 lands
+    first; in wait order (`order=wait`) they keep the order they had, and a second run too."""
+    from fxsched.passes import PassManager
+
+    orders = {}
+    for text in ("sink", "sink{order=wait}"):
+        program = parse_program(STACKED)
+        PassManager(text).run(program)
+        orders[text] = [n for n in program.schedule if n in ("c", "t1", "t2", "m")]
+        again = program.schedule.names()
+        PassManager(text).run(program)
+        assert program.schedule.names() == again
+    assert orders == {"sink": ["c", "t2", "t1", "m"], "sink{order=wait}": ["c", "t1", "t2", "m"]}
+
+
+def test_sink_order_must_be_launch_or_wait():
+    import pytest
+
+    from fxsched.passes import PipelineError
+
+    with pytest.raises(PipelineError, match="sink: order must be launch or wait, got 'first'"):
+        parse_pipeline("sink{order=first}")
