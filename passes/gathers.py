@@ -49,7 +49,8 @@ class GatherAnalysis(Analysis):
         names = program.schedule.names()
         # chains and realizations are listed in the entry order (a legal order of each: the
         # entry schedule was verified), which no pass changes; the first consumer is the first
-        # in the order now (passes that move consumers keep none of this)
+        # in the order now (the passes that preserve this analysis move no gather's consumer:
+        # check_analyses would catch one that did)
         entry = getattr(ctx, "entry", None)
         if entry is None or entry == program.schedule:
             key = pos
