@@ -116,8 +116,9 @@ def test_an_invalid_input_is_the_inputs_fault_unless_verification_is_off():
     assert unchecked.returncode == 0 and unchecked.stdout == wait_first
     use_after_free = SINK_INPUT.replace("%n = compute", '%f = free "free"(%t) {params = ["w"]}\n%n = compute')
     done = fxsched("opt", stdin=use_after_free)
-    # the effect rules name the reader and the free (their wording is ir/effects.py's)
-    assert done.returncode == 2 and done.stderr.startswith("<stdin>: error: ") and done.stdout == ""
+    # the effect rules name the reader and the free (their wording is ir/effects.py's); the
+    # parser places it on the reader's line
+    assert done.returncode == 2 and done.stderr.startswith("<stdin>:8:1: error: ") and done.stdout == ""
     assert "%m" in done.stderr and "%f" in done.stderr and "Traceback" not in done.stderr
 
 
