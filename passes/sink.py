@@ -18,7 +18,7 @@ from operator import itemgetter
 
 from ..ir import DATA, Program
 from ..ir.errors import ConfigError
-from .base import ModulePass, PassContext, PassResult, register_pass
+from .base import ModulePass, PassContext, PassResult, option, register_pass
 from .gathers import GatherAnalysis
 
 
@@ -29,7 +29,8 @@ class Sink(ModulePass):
     preserves = (GatherAnalysis,)
     reorders_only = True
 
-    order: str = "launch"
+    order: str = option("launch", "stack realizations before one node in launch order (the reference's) "
+                                  "or in wait order (a fixed point when a later pass reorders launches)")
 
     def __post_init__(self):
         if self.order not in ("launch", "wait"):
