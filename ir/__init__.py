@@ -2,7 +2,7 @@
 
 from .effects import BACKWARD, ENTRY, EffectError, derive_effects, storage_readers, storage_root
 from .ops import (OP_KINDS, Barrier, Cast, Compute, Constant, CopyOut, Free, Input,
-                  Launch, Marker, Op, Output, Phase, Role, TensorType, View, Wait, irop)
+                  Launch, Marker, Op, Opaque, Output, Phase, Role, TensorType, View, Wait, irop)
 from .ops import DTYPE_BYTES
 from .program import DATA, EFFECT, Program, Schedule
 from .text import ParseError, parse_program, print_op, print_program
@@ -10,7 +10,7 @@ from .verify import VerifyError, verify, verify_moves
 
 __all__ = [
     "BACKWARD", "DATA", "EffectError", "EFFECT", "ENTRY", "OP_KINDS", "Barrier", "Cast",
-    "Compute", "Constant", "CopyOut", "Free", "Input", "Launch", "Marker", "Op", "Output", "ParseError",
+    "Compute", "Constant", "CopyOut", "Free", "Input", "Launch", "Marker", "Op", "Opaque", "Output", "ParseError",
     "Phase", "Program", "Role", "Schedule", "TensorType", "DTYPE_BYTES", "VerifyError", "View", "Wait", "derive_effects",
     "irop", "parse_program", "print_op", "print_program", "storage_readers", "storage_root",
     "verify", "verify_moves",

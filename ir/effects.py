@@ -1,19 +1,29 @@
 """Turn every ordering rule into an explicit effect edge, once, from the program's first order.
 
-Rules (each edge's `why`): `free` — every reader of a storage, through its views, precedes
-the free (a reader after its free is an error: the input graph reads freed memory);
-`regather` — a gather follows the latest earlier free of each of its parameters;
-`collective-order` — non-gather collectives keep their relative order; `rng-order` —
-random ops keep theirs (they share the generator); `barrier` — nothing
-crosses a barrier; `phase` — forward before `^backward` before backward; `entry`/`output` —
-inputs first and in their order, output last. Edges are a transitive reduction where that is cheap, so the
-graph stays O(N).
+Each op has effects on resources, as MLIR's memory effects:
+- storages (alias classes): an op reads the storage of each operand, writes the storage of
+  each operand in its `writes`, and a `free` frees its first operand's storage. A value's
+  storage is its root: views (and `alias` results) share their source's; anything else owns a
+  fresh one. Rules: `storage` — two ops that touch one storage, at least one of them writing
+  it, keep their order; `free` — every access of a storage precedes its free (an access after
+  the free is an error: the input graph uses freed memory; through a `maybe` view it is only a
+  note, that view may be a copy). Edges run from the last writer and from the readers since,
+  so a storage costs its accesses, not their square;
+- `regather` — a gather follows the latest earlier free of each of its parameters;
+- `collective-order` — non-gather collectives (and opaque ones) of one process group keep
+  their relative order; one whose group is unknown orders against every group;
+- `rng-order` — random ops keep their order (they share the generator);
+- `barrier` — unknown state (tagged barriers, calls fxsched cannot see into): nothing crosses;
+- `phase` — forward before `^backward` before backward; `entry`/`output` — inputs first and
+  in their order, output last.
+Edges are a transitive reduction where that is cheap, so the graph stays O(N) and deriving
+them is O(N + uses).
 """
 
 from __future__ import annotations
 
 from .errors import InputError
-from .ops import Barrier, Compute, Free, Input, Launch, Marker, Op, Output, Phase, View
+from .ops import Barrier, Compute, Free, Input, Launch, Marker, Op, Opaque, Output, Phase, View
 from .program import DATA, Program
 
 ENTRY = "^entry"
@@ -24,16 +34,65 @@ class EffectError(InputError):
     """The program's first order already breaks a rule (so no schedule could keep it)."""
 
 
-def storage_root(program: Program, name: str) -> str:
-    """The node whose storage `name` aliases (follows views to their base)."""
+def _source(op: Op) -> str | None:
+    """The operand whose storage `op`'s result shares, if any."""
+    if isinstance(op, View):
+        return op.operands[0] if op.operands else None
+    return op.alias
+
+
+def storage_roots(program: Program) -> dict[str, tuple[str, str | None]]:
+    """For every node: (the node owning its storage, the first `maybe` view on the way there or
+    None). O(N): each node is walked once. A cycle of aliases (possible in hand-written text,
+    which may refer forward; the verifier names the cycle) stops at the node closing it."""
     node = program.graph._node
-    while isinstance(op := node[name]["op"], View) and op.operands:
-        name = op.operands[0]
+    roots: dict[str, tuple[str, str | None]] = {}
+    for start in node:
+        if start in roots:
+            continue
+        path, on_path, current = [], set(), start
+        while current not in roots:
+            source = _source(node[current]["op"])
+            if source is None or source not in node or current in on_path:
+                roots[current] = (current, None)
+                break
+            on_path.add(current)
+            path.append(current)
+            current = source
+        for name in reversed(path):
+            if name in roots:  # closed a cycle
+                continue
+            op = node[name]["op"]
+            root, via = roots[_source(op)]
+            roots[name] = (root, via or (name if isinstance(op, View) and op.maybe else None))
+    return roots
+
+
+def storage_root(program: Program, name: str, cache: dict[str, str] | None = None) -> str:
+    """The node whose storage `name` aliases (follows views and `alias` results to their base;
+    stops at a cycle). `cache` (name -> root), when given, is read and filled, so that many
+    calls cost each alias chain once."""
+    node = program.graph._node
+    path: list[str] = []
+    seen: set[str] = set()
+    while True:
+        if cache is not None and name in cache:
+            name = cache[name]
+            break
+        source = _source(node[name]["op"])
+        if source is None or source not in node or name in seen:
+            break
+        seen.add(name)
+        path.append(name)
+        name = source
+    if cache is not None:
+        cache.update(dict.fromkeys(path, name))
     return name
 
 
 def storage_readers(program: Program, root: str) -> set[str]:
-    """Every node that reads `root`'s storage directly or through a chain of views."""
+    """Every node that reads `root`'s storage directly or through a chain of views and `alias`
+    results (not through a `maybe` view: its users may read a copy)."""
     readers: set[str] = set()
     succ, node = program.graph._succ, program.graph._node
     stack = [root]
@@ -44,7 +103,7 @@ def storage_readers(program: Program, root: str) -> set[str]:
                 continue
             readers.add(user)
             op = node[user]["op"]
-            if isinstance(op, View) and op.operands[0] == current:
+            if _source(op) == current and not (isinstance(op, View) and op.maybe):
                 stack.append(user)
     return readers
 
@@ -89,20 +148,10 @@ def derive_effects(program: Program) -> None:
     """Add the effect edges of every rule, reading the current schedule as the original order."""
     ops = _place_markers(program)
     order = program.schedule.names()
-    index = program.schedule.index
-    for name in order:  # free: readers of the storage first
-        op = ops[name]
-        if isinstance(op, Free) and op.operands:
-            for reader in sorted(storage_readers(program, storage_root(program, op.operands[0]))):
-                if reader == name or isinstance(ops[reader], Free):  # freeing twice reads nothing
-                    continue
-                if index(reader) > index(name):
-                    raise EffectError(f"%{reader} reads storage that %{name} freed before it "
-                                      f"(use after free in the input graph)")
-                program.add_effect(reader, name, "free")
+    _storage_edges(program, order, ops)
 
     last_free: dict[str, str] = {}
-    previous_collective = previous_random = None
+    previous_random = None
     for name in order:
         op = ops[name]
         if isinstance(op, Compute) and op.random:
@@ -112,19 +161,96 @@ def derive_effects(program: Program) -> None:
         elif isinstance(op, Free):
             for param in op.params:
                 last_free[param] = name
-        elif isinstance(op, Launch):
-            if op.is_gather:
-                for param in op.params:
-                    if param in last_free:
-                        program.add_effect(last_free[param], name, "regather")
-            else:
-                if previous_collective is not None:
-                    program.add_effect(previous_collective, name, "collective-order")
-                previous_collective = name
+        elif isinstance(op, Launch) and op.is_gather:
+            for param in op.params:
+                if param in last_free:
+                    program.add_effect(last_free[param], name, "regather")
 
+    _collective_edges(program, order, ops)
     _barrier_edges(program, order, ops)
     _phase_edges(program, order, ops)
     _boundary_edges(program, order, ops)
+
+
+def _storage_edges(program: Program, order: list[str], ops: dict[str, Op]) -> None:
+    """`storage` and `free` edges: per storage, the last writer (or free) and the readers since;
+    a reader follows the last writer, a writer follows the readers since (or, with none, the
+    last writer). Each access costs O(1)."""
+    roots = storage_roots(program)
+    add_effect = program.add_effect
+    last_write: dict[str, str] = {}
+    readers: dict[str, list[str]] = {}
+    freed: dict[str, str] = {}
+    for name in order:
+        op = ops[name]
+        operands = op.operands
+        if not operands:
+            continue
+        is_free = isinstance(op, Free)
+        written = [roots[w][0] for w in op.writes]
+        if is_free:
+            written.append(roots[operands[0]][0])
+        for operand in operands:
+            root, via = roots[operand]
+            if root in written or (is_free and root in freed):  # a write covers its read; freeing twice reads nothing
+                continue
+            if root in freed:
+                if via is not None:
+                    program.notes.append(f"%{name} reads %{via}, which may alias storage %{freed[root]} freed before "
+                                         f"it: taken for a copy (no order kept with the free)")
+                    continue
+                raise EffectError(f"%{name} reads storage that %{freed[root]} freed before it "
+                                  f"(use after free in the input graph)")
+            writer = last_write.get(root)
+            if writer is not None:
+                add_effect(writer, name, "storage")
+            since = readers.get(root)
+            if since is None:
+                readers[root] = [name]
+            elif since[-1] != name:
+                since.append(name)
+        why = "free" if is_free else "storage"
+        for root in dict.fromkeys(written):
+            if root in freed:
+                if is_free:  # freed again: after the first free, which follows every access
+                    add_effect(freed[root], name, "free")
+                    continue
+                raise EffectError(f"%{name} writes storage that %{freed[root]} freed before it "
+                                  f"(use after free in the input graph)")
+            since = readers.pop(root, None)
+            if since:
+                for reader in since:
+                    add_effect(reader, name, why)
+            elif root in last_write:
+                add_effect(last_write[root], name, why)
+            last_write[root] = name
+            if is_free:
+                freed[root] = name
+
+
+def _collective_edges(program: Program, order: list[str], ops: dict[str, Op]) -> None:
+    """`collective-order`: per process group, non-gather launches and opaque collectives keep
+    their order; one with no known group follows the latest of every group, and they follow it."""
+    add_effect = program.add_effect
+    latest: dict[str, str] = {}  # per group, since the last op of unknown group
+    unknown = None  # the last op of unknown group
+    for name in order:
+        op = ops[name]
+        if isinstance(op, Launch):
+            if op.is_gather:
+                continue
+        elif not isinstance(op, Opaque):
+            continue
+        group = op.group
+        if group is None:
+            for before in (latest.values() if latest else ([unknown] if unknown else ())):
+                add_effect(before, name, "collective-order")
+            latest, unknown = {}, name
+        else:
+            before = latest.get(group, unknown)
+            if before is not None:
+                add_effect(before, name, "collective-order")
+            latest[group] = name
 
 
 # The rules below test every node's neighbours, so their per-step cost is most of

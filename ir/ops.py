@@ -91,6 +91,12 @@ class Op:
     phase: Phase = Phase.FORWARD
     #: the result's type(s): one per output; empty when unknown
     types: tuple[TensorType, ...] = attrs.field(default=(), converter=tuple)
+    #: operands whose storage this op writes in place (an in-place or `out=` op, a mutating
+    #: collective, a call fxsched cannot see into); see ir/effects.py
+    writes: tuple[str, ...] = attrs.field(default=(), converter=tuple)
+    #: the operand whose storage the result shares, when the op is no View (an in-place op's
+    #: result, an op whose `meta["val"]` shares its input's storage); None: fresh storage
+    alias: str | None = None
 
     @property
     def nbytes_out(self) -> int:
@@ -98,9 +104,15 @@ class Op:
         return sum(t.nbytes or 0 for t in self.types)
 
     def fields(self) -> dict[str, object]:
-        """Kind-specific fields (everything but name, operands, phase and types), in declaration order."""
-        skip = {"name", "operands", "phase", "types"}
-        return {f.name: getattr(self, f.name) for f in attrs.fields(type(self)) if f.name not in skip}
+        """Kind-specific fields (everything but name, operands, phase and types), in declaration
+        order, then the storage effects every op may have (`writes`, `alias`)."""
+        names = [f.name for f in attrs.fields(type(self)) if f.name not in COMMON_FIELDS]
+        names.sort(key=EFFECT_FIELDS.__contains__)  # stable: effects last
+        return {name: getattr(self, name) for name in names}
+
+
+COMMON_FIELDS = frozenset({"name", "operands", "phase", "types"})
+EFFECT_FIELDS = frozenset({"writes", "alias"})
 
 
 @irop("input", movable=False)
@@ -153,9 +165,15 @@ class Cast(Op):
 @irop("view")
 @attrs.frozen(kw_only=True)
 class View(Op):
-    """An op whose result aliases its first operand's storage."""
+    """An op whose result aliases its first operand's storage.
+
+    `maybe`: the schema says the result may alias, and nothing said whether it does (`reshape`,
+    `contiguous`, `to` copy when they must): it orders as an alias, but a read of it after its
+    source's free is no use-after-free (it may be a copy): a note, not an error.
+    """
 
     target: str = ""
+    maybe: bool = False
 
 
 @irop("copy_out")
@@ -212,7 +230,9 @@ class Free(Op):
 @irop("barrier", movable=False, effect=True)
 @attrs.frozen(kw_only=True)
 class Barrier(Op):
-    """A side effect nothing may cross: a mutation, an opaque call, or an explicit `barrier` tag.
+    """A side effect nothing may cross: a call on state fxsched cannot see (torch.fx's
+    side-effectful functions), or an explicit `barrier` tag. (In-place writes are no barrier:
+    they write their operands' storage, see `Op.writes`.)
 
     `heavy`/`attention` as for Compute: a heavy op tagged as a barrier still anchors prefetch.
     """
@@ -221,3 +241,16 @@ class Barrier(Op):
     reason: str = ""
     heavy: bool = False
     attention: bool = False
+
+
+@irop("opaque", movable=False)
+@attrs.frozen(kw_only=True)
+class Opaque(Op):
+    """A collective, or a wait, that the passes do not schedule (coalesced collectives, a wait on
+    no launch, an unknown collective): it stays where it is, in order with the collectives of
+    its `group` (of every group when None), and writes what `writes` says. `reason` says why.
+    """
+
+    target: str = ""
+    group: str | None = None
+    reason: str = ""

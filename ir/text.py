@@ -8,6 +8,10 @@
     ^backward
     %output = output(%mm)
 
+An in-place op says what it writes, and whose storage its result shares:
+
+    %t2 = compute "aten.add_.Tensor"(%t, %eps) {writes = [%t], alias = %t}
+
 One op per line in schedule order, with its result type(s) after `:` when known (`?` is an
 unknown extent, `none` a non-tensor output); ops after `^backward` are backward (an op may say `fwd`
 or `bwd` to differ). Effect edges are derived from the rules on parse; `effect %a -> %b`
@@ -82,8 +86,10 @@ def print_op(op: Op, region: Phase = Phase.FORWARD, with_phase: bool = True) -> 
             continue
         if value is True:
             attrs_out.append(key)
-        elif key == "anchor":
-            attrs_out.append(f"anchor = {_ref(value)}")
+        elif key in ("anchor", "alias"):  # references to nodes
+            attrs_out.append(f"{key} = {_ref(value)}")
+        elif key == "writes":
+            attrs_out.append("writes = [" + ", ".join(map(_ref, value)) + "]")
         else:
             attrs_out.append(f"{key} = {_value(value)}")
     if attrs_out:

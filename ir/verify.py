@@ -68,6 +68,13 @@ def _structure(program: Program) -> list[str]:
     if problems:
         return problems
     ops = list(map(itemgetter("op"), node.values()))
+    # what an op writes, and the operand its result shares storage with, are among its operands
+    for name, op in compress(zip(node, ops), map(attrgetter("writes"), ops)):
+        if not set(op.writes) <= set(op.operands):
+            problems.append(f"%{name}: writes {list(op.writes)}, which are not all operands {list(op.operands)}")
+    for name, op in compress(zip(node, ops), map(attrgetter("alias"), ops)):
+        if op.alias not in op.operands:
+            problems.append(f"%{name}: alias %{op.alias} is not an operand {list(op.operands)}")
     # the rules below are for waits and launches only: pick them out in C, not node by node
     for name, op in compress(zip(node, ops), map(isinstance, ops, repeat((Wait, Launch)))):
         if isinstance(op, Wait):
@@ -112,17 +119,23 @@ def _schedule(program: Program) -> list[str]:
 
     # edges forward: each node's predecessors were all passed before it; frees: every reader of
     # the freed storage (through views) was passed before the free, save the free itself (it
-    # reads its operand) and other frees (freeing twice reads nothing)
+    # reads its operand) and other frees (freeing twice reads nothing). Only the first free of a
+    # storage is checked (a later one comes after it), so each storage's readers are walked once.
     passed: set[str] = set()
+    checked: set[str] = set()  # storages whose first free was checked
+    roots: dict[str, str] = {}
     edges_forward = readers_first = True
     for name, preds in zip(names, map(pred.__getitem__, names)):
         if not passed.issuperset(preds):
             edges_forward = False
         if name in frees:
-            late = storage_readers(program, storage_root(program, frees[name].operands[0])).difference(passed)
-            late.discard(name)
-            if late and not all(isinstance(node[r]["op"], Free) for r in late):
-                readers_first = False
+            root = storage_root(program, frees[name].operands[0], roots)
+            if root not in checked:
+                checked.add(root)
+                late = storage_readers(program, root).difference(passed)
+                late.discard(name)
+                if late and not all(isinstance(node[r]["op"], Free) for r in late):
+                    readers_first = False
         passed.add(name)
     if len(passed) != len(names):  # a name repeated (so another is missing)
         return [_not_a_permutation(names, node)]
@@ -150,9 +163,12 @@ def _schedule(program: Program) -> list[str]:
                             "(phases out of order)")
 
     if not readers_first:
+        first_frees = {}  # storage -> its first free
         for name, op in frees.items():
+            first_frees.setdefault(storage_root(program, op.operands[0], roots), name)
+        for root, name in first_frees.items():
             at = pos[name]
-            for reader in storage_readers(program, storage_root(program, op.operands[0])):
+            for reader in storage_readers(program, root):
                 if reader != name and pos[reader] > at and not isinstance(node[reader]["op"], Free):
                     problems.append(f"%{reader}: reads storage freed by %{name} but is scheduled after it")
     return problems

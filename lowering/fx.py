@@ -2,6 +2,10 @@
 
 Malformed tags give a LoweringError naming the FX node, or a conservative choice (the
 gather stays where it is, or the node becomes a barrier) recorded in `program.notes`.
+
+Storage effects are worked out here (see ir/effects.py for the rules): what each call writes
+(`Lowering.writes`), which ops alias their input (schemas say may-alias; `meta["val"]` storage
+identity says whether, where there is a val), and which collectives are opaque.
 """
 
 from __future__ import annotations
@@ -12,7 +16,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import fx
 
-from ..ir import (DTYPE_BYTES, Barrier, EffectError, Cast, Compute, Constant, CopyOut, Free, Input, Launch, Op, Output, Phase, Program,
+from ..ir import (DTYPE_BYTES, Barrier, EffectError, Cast, Compute, Constant, CopyOut, Free, Input, Launch, Op, Opaque, Output, Phase, Program,
                   Role, Schedule, TensorType, View, Wait, derive_effects)
 from ..ir.errors import InputError
 from ..ir.gcpause import gc_paused
@@ -46,14 +50,35 @@ def _target_name(target) -> str:
     return f"{module}.{name}" if module else name
 
 
-def _packet_mutates(node: fx.Node) -> bool:
-    """An overload packet (`aten.add_`) doesn't say which overload runs: it mutates if one of them
-    writes a positional argument, or a keyword one (`out=`) that the call passes."""
-    target = node.target
-    if node.op != "call_function" or not isinstance(target, torch._ops.OpOverloadPacket):
-        return False
-    return any(arg.alias_info is not None and arg.alias_info.is_write and (not arg.kwarg_only or arg.name in node.kwargs)
-               for name in target.overloads() for arg in getattr(target, name)._schema.arguments)
+def _written_arguments(schema) -> tuple[tuple[int, str], ...]:
+    """(position, name) of each argument the schema writes (`Tensor(a!)`)."""
+    return tuple((i, a.name) for i, a in enumerate(schema.arguments) if a.alias_info is not None and a.alias_info.is_write)
+
+
+# Python functions that write their first argument in place (operator.iadd is `x += y`)
+_PY_INPLACE = frozenset({"iadd", "isub", "imul", "imatmul", "itruediv", "ifloordiv", "imod", "ipow", "iand", "ior",
+                         "ixor", "ilshift", "irshift", "setitem", "delitem"})
+# modules of Python callables fxsched knows by their name (torch's functions, operator, builtins)
+_KNOWN_MODULES = ("torch", "_operator", "operator", "builtins", "math")
+
+
+def _node_operands(value) -> list[fx.Node]:
+    """The FX nodes in an argument (a node, or a list/tuple of them)."""
+    if isinstance(value, fx.Node):
+        return [value]
+    if isinstance(value, (list, tuple)):
+        return [v for v in value if isinstance(v, fx.Node)]
+    return []
+
+
+def _storage_key(value) -> int | None:
+    """An identity of a `meta["val"]` tensor's storage (FakeTensors of views share one)."""
+    if not isinstance(value, torch.Tensor):
+        return None
+    try:
+        return value.untyped_storage()._cdata
+    except Exception:  # a tensor without storage (sparse, some subclasses)
+        return None
 
 
 class _Target(NamedTuple):
@@ -70,8 +95,12 @@ class _Target(NamedTuple):
     wait: bool  # a functional collective's wait_tensor
     all_gather: bool  # a functional all_gather_into_tensor
     view: bool  # the result aliases the first operand (getitem, or a schema alias that is read only)
-    mutable: bool  # the schema mutates, or an in-place method by naming convention
-    packet: bool  # an OpOverloadPacket: whether it mutates depends on the call (_packet_mutates)
+    may_copy: bool  # a view by schema that may copy instead (a CompositeImplicit op: reshape, contiguous, to)
+    written: tuple[tuple[int, str], ...]  # (position, name) of the arguments the schema writes
+    result_alias: int | None  # position of the written argument the result aliases (`-> Tensor(a!)`)
+    py_inplace: bool  # a Python call that writes its first argument by convention (`relu_`, `x.add_`, iadd)
+    known: bool  # fxsched knows what the call touches (an op with a schema, torch's, operator's)
+    packet: bool  # an OpOverloadPacket: which overload runs, and what it writes, depends on the call
     cast: bool
     random: bool  # draws from the RNG
     clone: bool  # aten.clone.default (a bucket's copy-out when tagged so)
@@ -91,6 +120,17 @@ def _classify(op: str, target) -> _Target:
         and schema.returns[0].alias_info is not None and not schema.returns[0].alias_info.is_write)
     arguments = [a.name for a in schema.arguments] if schema is not None else []
     attention = call and is_attention(name)
+    written = _written_arguments(schema) if schema is not None else ()
+    result_alias = None
+    if written and schema.returns and (ret := schema.returns[0].alias_info) is not None and ret.is_write:
+        result_alias = next((i for i, _ in written if schema.arguments[i].alias_info.before_set == ret.before_set), None)
+    short = name.rsplit(".", 1)[-1]
+    module = (getattr(target, "__module__", None) or "") if call else ""
+    py_inplace = (
+        (op == "call_method" and isinstance(target, str) and target.endswith("_") and not target.startswith("_"))
+        or (call and schema is None and not isinstance(target, torch._ops.OpOverloadPacket)
+            and ((short.endswith("_") and not short.startswith("_"))
+                 or (module in ("_operator", "operator") and short in _PY_INPLACE))))
     return _Target(
         name=name,
         schema=schema,
@@ -98,9 +138,14 @@ def _classify(op: str, target) -> _Target:
         wait=collective and schema.name.endswith("::wait_tensor"),
         all_gather=schema is not None and schema.name.endswith("::all_gather_into_tensor"),
         view=view,
-        mutable=((schema is not None and schema.is_mutable)
-                 # an in-place method (`x.add_(y)`) by Python's naming convention
-                 or (op == "call_method" and str(target).endswith("_") and not str(target).startswith("_"))),
+        may_copy=view and schema is not None and torch._C._dispatch_has_kernel_for_dispatch_key(
+            schema.name + (f".{schema.overload_name}" if schema.overload_name else ""), "CompositeImplicitAutograd"),
+        written=written,
+        result_alias=result_alias,
+        py_inplace=py_inplace,
+        known=op == "call_method" or (call and (schema is not None or isinstance(target, torch._ops.OpOverloadPacket)
+                                                or module.split(".")[0] in _KNOWN_MODULES
+                                                or target is operator.getitem)),
         packet=call and isinstance(target, torch._ops.OpOverloadPacket),
         cast=schema is not None and schema.name in CAST_OPS,
         random=isinstance(target, torch._ops.OpOverload) and torch.Tag.nondeterministic_seeded in target.tags,
@@ -173,6 +218,9 @@ class _Lowering:
         # hashable; the graph keeps every target alive), and (dtype, shape) -> TensorType
         self.targets: dict[tuple[str, int], _Target] = {}
         self.types: dict = {}
+        self.storages: dict[fx.Node, int | None] = {}  # storage identity of meta["val"]
+        self.launches: set[str] = set()  # names lowered as a Launch (what a Wait may wait on)
+        self.launch_writes: dict[str, tuple[str, ...]] = {}
 
     def target(self, node: fx.Node) -> _Target:
         key = (node.op, id(node.target))
@@ -189,6 +237,73 @@ class _Lowering:
         info = self.target(node)
         return info.collective and not info.wait and (
             len(node.users) != 1 or not self.target(next(iter(node.users))).wait)
+
+    def storage(self, node: fx.Node) -> int | None:
+        """`_storage_key` of the node's `meta["val"]`, once per node."""
+        try:
+            return self.storages[node]
+        except KeyError:
+            key = self.storages[node] = _storage_key(node.meta.get("val"))
+            return key
+
+    def shared(self, node: fx.Node) -> str | None:
+        """The operand whose `meta["val"]` shares the storage of the node's own (None: none does,
+        or there is no val to say)."""
+        key = self.storage(node)
+        if key is None:
+            return None
+        for operand in node.all_input_nodes:
+            if self.storage(operand) == key:
+                return operand.name
+        return None
+
+    def writes(self, node: fx.Node, info: _Target) -> tuple[tuple[str, ...], str | None, bool]:
+        """The operands whose storage the call writes, the one its result aliases, and whether
+        fxsched cannot see into the call.
+
+        A schema says which arguments it writes (in-place and `out=` overloads, mutating
+        collectives); an overload packet, what any of its overloads could write that the call
+        passes; a Python in-place call (`relu_`, `x.add_`, `operator.iadd`), a call with
+        `inplace=True`, or a module built with `inplace=True` writes its first argument; a call
+        fxsched cannot classify (a function of no known module, a module not from torch.nn) is
+        taken to write every tensor it is given.
+        """
+        args, kwargs = node.args, node.kwargs
+        if info.schema is not None:
+            if not info.written:
+                return (), None, False
+            names = []
+            for at, name in info.written:
+                value = args[at] if at < len(args) else kwargs.get(name)
+                names += [n.name for n in _node_operands(value)]
+            alias = None
+            if info.result_alias is not None:
+                name = dict(info.written)[info.result_alias]
+                value = args[info.result_alias] if info.result_alias < len(args) else kwargs.get(name)
+                alias = value.name if isinstance(value, fx.Node) else None
+            return tuple(dict.fromkeys(names)), alias, False
+        if info.packet:
+            names = []
+            for overload in node.target.overloads():
+                for at, name in _written_arguments(getattr(node.target, overload)._schema):
+                    value = args[at] if at < len(args) else kwargs.get(name)
+                    names += [n.name for n in _node_operands(value)]
+            names = list(dict.fromkeys(names))
+            return tuple(names), (names[0] if names else None), False
+        inplace = info.py_inplace or kwargs.get("inplace") is True
+        if node.op == "call_module":
+            module = self.gm.get_submodule(node.target)
+            inplace = getattr(module, "inplace", False) is True
+            known = type(module).__module__.startswith("torch.nn")
+        else:
+            known = info.known
+        if not inplace and not known:
+            return tuple(n.name for n in node.all_input_nodes), None, True
+        first = args[0] if args and isinstance(args[0], fx.Node) else None
+        if inplace and first is not None:
+            returns_it = info.name.rsplit(".", 1)[-1] not in ("setitem", "delitem")
+            return (first.name,), (first.name if returns_it else None), False
+        return (), None, False
 
     def phase(self, node: fx.Node) -> Phase:
         if node.meta.get(tags.AUTOGRAD_BACKWARD):
@@ -231,29 +346,68 @@ class _Lowering:
         if comm_type in FREE_TAGS:
             return self.free(node, target, base)
         if info.collective:
-            if self.opaque(node) or any(self.opaque(a) for a in node.all_input_nodes):
-                self.notes.append(f"%{node.name}: collective not waited exactly once: kept as a barrier")
-                return Barrier(target=target, reason="collective not waited exactly once", **base)
-            if info.wait:
-                return Wait(target=target, **base)
-            if comm_type in GATHER_TAGS:
-                self.notes.append(f"%{node.name}: comm_type={comm_type!r} on {target}: not a gather, kept in order")
-            role = Role.REDUCE_SCATTER if comm_type == REDUCE_SCATTER_TAG else None
-            return Launch(target=target, group=_group(node, info), group_size=_group_size(node, info), role=role,
-                          **base)
+            return self.collective(node, info, comm_type, base)
         if comm_type in GATHER_TAGS:
             self.notes.append(f"%{node.name}: comm_type={comm_type!r} on {target}, not a collective: ignored")
         if info.clone and meta.get(tags.BUCKET_COPY_OUT) is not None:
             return CopyOut(target=target, bucket=str(meta[tags.BUCKET_COPY_OUT]), **base)
         if info.view:
-            return View(target=target, **base)
-        mutates = info.mutable or (info.packet and _packet_mutates(node))
-        if node.is_impure(impure_random=False) or mutates:
-            return Barrier(target=target, reason="mutation" if mutates else "side effect", heavy=info.heavy,
-                           attention=info.attention, **base)
-        if info.cast:
-            return Cast(target=target, **base)
-        return Compute(target=target, heavy=info.heavy, attention=info.attention, random=info.random, **base)
+            return self.view(node, info, base)
+        writes, alias, unknown = self.writes(node, info)
+        if (unknown or not writes) and node.is_impure(impure_random=False):
+            return Barrier(target=target, reason="side effect", heavy=info.heavy, attention=info.attention, **base)
+        if unknown and writes:
+            self.notes.append(f"%{node.name}: {target} is a call fxsched cannot see into: taken to write "
+                              f"{', '.join('%' + w for w in writes)}")
+        alias = self.shared(node) or alias
+        if info.cast and not writes:
+            return Cast(target=target, alias=alias, **base)
+        return Compute(target=target, heavy=info.heavy, attention=info.attention, random=info.random, writes=writes,
+                       alias=alias, **base)
+
+    def view(self, node: fx.Node, info: _Target, base: dict) -> Op:
+        """A schema alias: a view; one that may copy (reshape, contiguous, to) is a view when its
+        `meta["val"]` shares its input's storage, a computation when it does not, and a `maybe` view
+        (ordered as an alias, never the ground of a use-after-free) when there is no val."""
+        if not info.may_copy:
+            return View(target=info.name, **base)
+        source = node.all_input_nodes[0] if node.all_input_nodes else None
+        if source is not None and self.storage(node) is not None and self.storage(source) is not None:
+            if self.storage(node) == self.storage(source):
+                return View(target=info.name, **base)
+            return Compute(target=info.name, heavy=info.heavy, attention=info.attention, **base)
+        self.notes.append(f"%{node.name}: {info.name} may alias %{source.name if source else '?'} or copy it, and no "
+                          "meta['val'] says which: ordered as an alias")
+        return View(target=info.name, maybe=True, **base)
+
+    def collective(self, node: fx.Node, info: _Target, comm_type, base: dict) -> Op:
+        """A launch with its one wait, a wait on a launch, or else an opaque op that keeps its place."""
+        target = info.name
+        writes, alias, _ = self.writes(node, info)
+        group = _group(node, info)
+        if info.wait:
+            source = node.all_input_nodes[0].name if len(node.all_input_nodes) == 1 else None
+            if source not in self.launches:
+                self.notes.append(f"%{node.name}: wait on {['%' + n.name for n in node.all_input_nodes]}, not on a "
+                                  "launch: kept in place, in order with every group's collectives")
+                # it completes whatever its operand's collective writes: take it to write its operand
+                return Opaque(target=target, reason="wait on no launch", writes=tuple(n.name for n in node.all_input_nodes),
+                              **base)
+            # a wait completes its launch's write: it writes (and returns) the launch's result too
+            launch_writes = self.launch_writes.get(source, ())
+            return Wait(target=target, writes=(source,) if launch_writes else (), alias=source if launch_writes else None,
+                        **base)
+        if self.opaque(node):
+            reason = ("coalesced collective" if "coalesced" in target else "collective not waited exactly once")
+            self.notes.append(f"%{node.name}: {target}: {reason}: kept in place, in order with group {group!r}")
+            return Opaque(target=target, group=group, reason=reason, writes=writes, **base)
+        if comm_type in GATHER_TAGS:
+            self.notes.append(f"%{node.name}: comm_type={comm_type!r} on {target}: not a gather, kept in order")
+        role = Role.REDUCE_SCATTER if comm_type == REDUCE_SCATTER_TAG else None
+        self.launches.add(node.name)
+        self.launch_writes[node.name] = writes
+        return Launch(target=target, group=group, group_size=_group_size(node, info), role=role, writes=writes,
+                      alias=alias, **base)
 
     def gather(self, node: fx.Node, target: str, role: Role, base: dict) -> Launch:
         users = list(node.users)
@@ -280,6 +434,7 @@ class _Lowering:
                 self.notes.append(f"%{node.name}: param_name={name!r} is not a name: not moved")
                 params, hold = (), NO_PARAMETER_NAME
         info = self.target(node)
+        self.launches.add(node.name)
         return Launch(target=target, group=_group(node, info), group_size=_group_size(node, info), role=role,
                       nbytes=_nbytes(node, self.notes),
                       params=params, bucket=bucket, hold=hold,

@@ -14,6 +14,10 @@ too):
   the first interval starts at the top of the graph and the last one ends at its bottom.
 - "the last barrier before the launch" and "the free of each of its parameters" are the latest
   such nodes before the launch in the order the stage starts from.
+- barriers are tagged nodes and side-effectful calls that write no argument; an in-place call
+  is no barrier (issue 12): it keeps its order with every node touching a storage it writes
+  (through views), so a chain launches after the last such node before it and a realization
+  node sinks no further than the next one.
 - the budget counts every gather that is prefetched: moved by this run (either phase) or
   carrying `fsdp_prefetch_anchor` from an earlier run; a new launch is in flight from just
   before its target to its first consumer, an earlier one from its launch to its first consumer.
@@ -87,14 +91,49 @@ def is_free(node: fx.Node) -> bool:
 
 
 def is_barrier(node: fx.Node) -> bool:
+    """Unknown state: a `barrier` tag, or a side-effectful call that writes none of its arguments
+    (an in-place op is no barrier: it writes its argument's storage, see `conflicts`)."""
     if node.meta.get("barrier") is True:
         return True
     if node.op != "call_function" or is_free(node) or is_functional_collective(node):
         return False
-    if node.target in fx.node._side_effectful_functions:
-        return True
+    return node.target in fx.node._side_effectful_functions and not written(node)
+
+
+def written(node: fx.Node) -> list[fx.Node]:
+    """The arguments a call's schema writes (`Tensor(a!)`)."""
     schema = schema_of(node)
-    return schema is not None and schema.is_mutable
+    if schema is None:
+        return []
+    out = []
+    for i, arg in enumerate(schema.arguments):
+        if arg.alias_info is not None and arg.alias_info.is_write:
+            value = node.args[i] if i < len(node.args) else node.kwargs.get(arg.name)
+            if isinstance(value, fx.Node):
+                out.append(value)
+    return out
+
+
+def storage(node: fx.Node) -> fx.Node:
+    """The node owning the storage `node`'s value lives in: through views, and through in-place
+    calls (which return what they wrote)."""
+    while True:
+        if is_view(node) and node.all_input_nodes:
+            node = node.all_input_nodes[0]
+        elif written(node) and (schema_of(node).returns or [None])[0] is not None \
+                and schema_of(node).returns[0].alias_info is not None:
+            node = written(node)[0]
+        else:
+            return node
+
+
+def conflicts(a: fx.Node, b: fx.Node) -> bool:
+    """The two touch one storage and at least one of them writes it (so they keep their order)."""
+    reads_a = {storage(n) for n in a.all_input_nodes}
+    reads_b = {storage(n) for n in b.all_input_nodes}
+    writes_a = {storage(n) for n in written(a)}
+    writes_b = {storage(n) for n in written(b)}
+    return bool(writes_a & (reads_b | writes_b) or writes_b & reads_a)
 
 
 def backward(node: fx.Node) -> bool:
@@ -270,6 +309,10 @@ def earliest(graph: fx.Graph, f: Found, chain: list[fx.Node]) -> int:
     barriers = [i for i, n in enumerate(order[:where]) if is_barrier(n)]
     if barriers:
         bounds.append(barriers[-1] + 1)
+    # and after every earlier write of a storage the chain touches (or read of one it writes)
+    for i, n in enumerate(order[:where]):
+        if n not in chain and any(conflicts(n, c) for c in chain):
+            bounds.append(i + 1)
     for param in params_of(launch):
         frees = [i for i, n in enumerate(order[:where]) if is_free(n) and n.meta.get("param_name") == param]
         if frees:
@@ -317,7 +360,7 @@ def sink(graph: fx.Graph, found: list[Found]) -> int:
             candidates = list(node.users) + ([later] if later is not None else [])
             target = min(candidates, key=pos.get)
             for between in order[pos[node] + 1:pos[target]]:
-                if is_barrier(between) or backward(between) != phase:
+                if is_barrier(between) or backward(between) != phase or conflicts(between, node):
                     target = between
                     break
             if pos[target] > pos[node] + 1:

@@ -408,17 +408,26 @@ def test_a_gather_tag_on_a_non_collective_is_ignored():
     assert any("not a collective: ignored" in n for n in done.program.notes)
 
 
-def test_a_collective_not_waited_exactly_once_is_a_barrier():
+def test_a_collective_not_waited_exactly_once_is_opaque():
     b = Graph()
     b.layer(0)
     ar = b.call(c10d.all_reduce.default, b.h, "sum", "0")
-    b.use(b.call(c10d.wait_tensor.default, ar))
-    b.use(b.call(c10d.wait_tensor.default, ar))
+    w1 = b.call(c10d.wait_tensor.default, ar)
+    w2 = b.call(c10d.wait_tensor.default, ar)
+    b.use(w1)
+    b.use(w2)
     b.layer(1)
-    done = fxsched.schedule(b.done(), REFERENCE)
-    assert f"%{ar.name}: collective not waited exactly once: kept as a barrier" in done.program.notes
-    new = order(done.graph_module)
-    assert new.index("all_gather_into_tensor_default_1") > new.index(ar.name)
+    gm = b.done()
+    done = fxsched.schedule(gm, REFERENCE)
+    assert (f"%{ar.name}: _c10d_functional.all_reduce.default: collective not waited exactly once: kept in place, "
+            "in order with group '0'") in done.program.notes
+    assert any(n.startswith(f"%{w1.name}: wait on ['%{ar.name}'], not on a launch") for n in done.program.notes)
+    # it and its waits keep their order; the rest of the graph is still scheduled: the next layer's
+    # gather (another storage, a gather) launches ahead of it
+    before, new = order(gm), order(done.graph_module)
+    assert [n for n in new if n in (ar.name, w1.name, w2.name)] == [ar.name, w1.name, w2.name]
+    assert new.index("all_gather_into_tensor_default_1") < new.index(ar.name) < before.index(
+        "all_gather_into_tensor_default_1")
 
 
 # ---- found by trying fxsched as outsiders would (issue 13) ------------------------------------

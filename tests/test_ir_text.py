@@ -35,6 +35,8 @@ EVERYTHING = dedent(r'''
     %f = free "fsdp.free"(%v) {params = ["w"]}
     %b = barrier "aten.copy_.default"(%x, %drop) {reason = "mutation"}
     %late = compute "aten.add.Tensor"(%at) {bwd}
+    %ip = compute "aten.add_.Tensor"(%late, %x) {bwd, writes = [%late], alias = %late}
+    %mv = view "aten.reshape.default"(%ip) {bwd, maybe}
     ^backward
     %rag = launch "ag"(%w) {role = fsdp_all_gather_backward, nbytes = 4096, params = ["w"], anchor = ^backward}
     %rwt = wait(%rag)
@@ -43,7 +45,8 @@ EVERYTHING = dedent(r'''
     %rsw = wait(%rs)
     %ar = launch "ar"(%rsw) {group = "1", nbytes = -1, hold = ""}
     %arw = wait(%ar)
-    %output = output(%arw, %late)
+    %co2 = opaque "_c10d_functional.all_reduce_coalesced_.default"(%arw) {group = "1", reason = "coalesced collective", writes = [%arw]}
+    %output = output(%co2, %mv)
 ''')
 
 SMALL = [
@@ -131,7 +134,9 @@ def test_parsed_attributes_have_their_types():
     assert p.op("ar").role is None and p.op("ar").nbytes == -1 and p.op("ar").hold == ""
     assert isinstance(p.op("cw"), Cast) and isinstance(p.op("v"), View) and isinstance(p.op("wt"), Wait)
     assert p.op("x") == Input(name="x", target="x", types=[TensorType("f32", (2, 16))]) and p.op("g").target == ""
-    assert isinstance(p.op("output"), Output) and p.op("output").operands == ("arw", "late")
+    assert isinstance(p.op("output"), Output) and p.op("output").operands == ("co2", "mv")
+    assert (p.op("ip").writes, p.op("ip").alias, p.op("mv").maybe) == (("late",), "late", True)
+    assert (p.op("co2").writes, p.op("co2").group, p.op("co2").reason) == (("arw",), "1", "coalesced collective")
     assert isinstance(p.op(ENTRY), Marker) and isinstance(p.op(BACKWARD), Marker)
 
 
@@ -327,7 +332,7 @@ def test_barriers_segment_the_graph():
     verify(p)
 
 
-def test_other_collectives_keep_their_order_gathers_do_not():
+def test_other_collectives_keep_their_order_per_group_gathers_do_not():
     p = parse_program(dedent('''
         %x = input
         %s = input
@@ -340,16 +345,21 @@ def test_other_collectives_keep_their_order_gathers_do_not():
         %w2 = wait(%ar)
         %rs2 = launch "reduce_scatter_tensor"(%x) {group = "0", role = fsdp_reduce_scatter}
         %w3 = wait(%rs2)
-        %output = output(%w1, %wg, %w2, %w3)
+        %any = launch "all_reduce"(%x)
+        %w4 = wait(%any)
+        %ar2 = launch "all_reduce"(%x) {group = "1"}
+        %w5 = wait(%ar2)
+        %output = output(%w1, %wg, %w2, %w3, %w4, %w5)
     '''))
     out = print_program(p, effects=True)
     filecheck(out, '''
-        CHECK:     // effect %rs1 -> %ar (collective-order)
-        CHECK:     // effect %ar -> %rs2 (collective-order)
+        CHECK:     // effect %rs1 -> %rs2 (collective-order)
         CHECK-NOT: %ag {{.*}}(collective-order)
     ''')
-    assert [e for e in p.effect_edges() if e[2] == "collective-order"] == [
-        ("rs1", "ar", "collective-order"), ("ar", "rs2", "collective-order")]
+    # group 1 is its own stream; a collective of unknown group orders against every group
+    assert sorted(e for e in p.effect_edges() if e[2] == "collective-order") == [
+        ("any", "ar2", "collective-order"), ("ar", "any", "collective-order"), ("rs1", "rs2", "collective-order"),
+        ("rs2", "any", "collective-order")]
 
 
 def test_random_ops_keep_their_order():

@@ -10,7 +10,7 @@ import torch.distributed._functional_collectives  # noqa: F401  (registers the f
 import torch.nn.functional as F
 from torch import fx
 
-from fxsched.ir import (BACKWARD, ENTRY, Barrier, Cast, Compute, Constant, CopyOut, Free, Input, Launch, Output, Phase,
+from fxsched.ir import (BACKWARD, ENTRY, Barrier, Cast, Compute, Constant, CopyOut, Free, Input, Launch, Opaque, Output, Phase,
                         Role, View, Wait, print_program, verify)
 from fxsched.lowering import LoweringError, lower, target_name
 from fxsched.raising import raise_program
@@ -130,8 +130,9 @@ def test_every_kind_is_recognised():
     assert op(p, att).target == "torch._C._nn.scaled_dot_product_attention"
     assert not op(p, add).heavy and not op(p, add).attention and not op(p, add).random
     assert op(p, free) == Free(name=free.name, operands=(wt.name,), target=target_name(free), params=("layer.w",))
-    assert op(p, copy_) == Barrier(name=copy_.name, operands=(x.name, add.name), target="aten.copy_.default",
-                                   reason="mutation")
+    # an in-place op is no barrier: it writes its operand's storage (and returns it)
+    assert op(p, copy_) == Compute(name=copy_.name, operands=(x.name, add.name), target="aten.copy_.default",
+                                   writes=(x.name,), alias=x.name)
     assert op(p, tagged).reason == "tagged barrier" and isinstance(op(p, tagged), Barrier)
     assert op(p, side).reason == "side effect" and isinstance(op(p, side), Barrier)
     assert isinstance(op(p, rand), Compute) and op(p, rand).random
@@ -156,8 +157,8 @@ def test_overload_packets_are_classified_too():
     p = lower(gm)
     assert type(op(p, mm)) is Compute and op(p, mm).heavy  # its mm.out overload is not used
     assert type(op(p, neg)) is Compute
-    assert isinstance(op(p, add_), Barrier) and op(p, add_).reason == "mutation"
-    assert isinstance(op(p, out), Barrier) and op(p, out).reason == "mutation"  # out= passed
+    assert type(op(p, add_)) is Compute and op(p, add_).writes == (mm.name,) and op(p, add_).alias == mm.name
+    assert type(op(p, out)) is Compute and op(p, out).writes == (neg.name,)  # out= passed
 
 
 def test_placeholders_are_inputs_and_get_attr_a_constant_in_place():
@@ -294,20 +295,25 @@ def test_group_names_come_from_the_schema_argument():
     p = lower(g.output(w1, w2))
     assert op(p, a1).group == "tp_group" and op(p, a2).group == "dp"
     assert op(p, a1).group_size == 2 and op(p, a2).group_size == 2
-    assert op(p, a1).role is None  # untagged gathers are plain collectives that keep their order
-    assert edges(p, "collective-order") == {(a1.name, a2.name)}
+    assert op(p, a1).role is None  # untagged gathers are plain collectives that keep their order (per group)
+    assert edges(p, "collective-order") == set()  # two groups: two streams, no order between them
 
 
-def test_collective_not_waited_exactly_once_is_a_barrier():
+def test_collective_not_waited_exactly_once_is_opaque():
     g = G()
     x = g.input("x")
     ar = g.call(AR, x, "sum", "0")
     w1, w2 = g.call(WAIT, ar), g.call(WAIT, ar)
     lone = g.call(AR, x, "sum", "0")
     p = lower(g.output(w1, w2, lone))
-    for node in (ar, w1, w2, lone):
-        assert isinstance(op(p, node), Barrier) and op(p, node).reason == "collective not waited exactly once"
-    assert f"%{ar.name}: collective not waited exactly once: kept as a barrier" in p.notes
+    for node in (ar, lone):
+        assert isinstance(op(p, node), Opaque) and op(p, node).reason == "collective not waited exactly once"
+        assert op(p, node).group == "0"
+    for node in (w1, w2):  # waits on no launch
+        assert isinstance(op(p, node), Opaque) and op(p, node).reason == "wait on no launch"
+    assert (f"%{ar.name}: _c10d_functional.all_reduce.default: collective not waited exactly once: kept in place, "
+            "in order with group '0'") in p.notes
+    assert not any(isinstance(o, Barrier) for o in p.ops())
     verify(p)
 
 
@@ -408,8 +414,10 @@ def test_effect_edges_for_every_rule():
     assert edges(p, "regather") == {(name["free"], name["rag"])}
     assert edges(p, "collective-order") == {(name["rs1"], name["rs2"])}
     assert edges(p, "rng-order") == {(name["rnd"], name["rnd2"])}
-    assert edges(p, "barrier") == {(name["free"], name["cp"]), (name["rnd"], name["cp"]),
-                                   (name["cp"], name["rnd2"]), (name["cp"], name["rag"])}
+    # copy_ writes x: no barrier; what reads x after it follows it (what read it before already
+    # feeds it: mm)
+    assert edges(p, "barrier") == set()
+    assert edges(p, "storage") == {(name["cp"], name["rnd2"])}
     assert (name["rnd2"], BACKWARD) in edges(p, "phase") and (BACKWARD, name["rag"]) in edges(p, "phase")
     assert (ENTRY, name["ag"]) in edges(p, "entry")
     assert edges(p, "output") == set()  # every sink already feeds the output
@@ -468,8 +476,9 @@ def test_untagged_aten_graph_round_trips():
             node.meta.pop(key, None)
     p = lower(gm)
     assert p.notes == [] and BACKWARD not in p.graph
-    # the free function is still a side effect: a barrier
-    assert sum(isinstance(o, Barrier) for o in p.ops()) == 2
+    # the free function is still a side effect: a barrier; copy_ writes x
+    assert sum(isinstance(o, Barrier) for o in p.ops()) == 1
+    assert [o.writes for o in p.ops() if o.writes] == [("x",)]
     assert raise_program(p).code == gm.code
 
 

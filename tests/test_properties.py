@@ -102,14 +102,27 @@ def _view(node: fx.Node) -> bool:
 
 
 def _barrier(node: fx.Node) -> bool:
-    """The input contract: a side-effecting or mutating call that is not a free or a functional collective, or
-    any node tagged `barrier`."""
+    """A side-effecting call that is not a free, a functional collective or an in-place write (a
+    write orders against its storage's users only: issue 12), or any node tagged `barrier`."""
     if node.meta.get("barrier"):
         return True
     if node.op not in ("call_function", "call_method", "call_module") or _free(node) or _collective(node):
         return False
     schema = _schema(node)
-    return (schema is not None and schema.is_mutable) or node.is_impure(impure_random=False)
+    return not (schema is not None and schema.is_mutable) and node.is_impure(impure_random=False)
+
+
+def _written(node: fx.Node) -> set:
+    """The storages (val identity) of the arguments a call's schema writes."""
+    schema = _schema(node)
+    out = set()
+    if schema is not None:
+        for i, arg in enumerate(schema.arguments):
+            if arg.alias_info is not None and arg.alias_info.is_write:
+                value = node.args[i] if i < len(node.args) else node.kwargs.get(arg.name)
+                if isinstance(value, fx.Node):
+                    out |= _storages(value)
+    return out
 
 
 def _phased(node: fx.Node) -> bool:
@@ -289,6 +302,22 @@ def check_fx_schedule(original: fx.GraphModule, scheduled: fx.GraphModule, limit
                 readers = {u.name for holder in holders[storage] for u in holder.users} - {node.name}
                 late = [r for r in readers if facts.pos[r] > facts.pos[node.name]]
                 assert not late, f"{late[:3]} read the storage {node.name} freed, after the free"
+
+    # storages: a node that writes one (val identity) keeps its order with every node touching it
+    def touching(facts: FxFacts) -> dict:
+        touch = defaultdict(set)
+        for node in facts.nodes:
+            for arg in node.all_input_nodes:
+                for storage in _storages(arg):
+                    touch[storage].add(node.name)
+        return touch
+
+    touched = touching(before)
+    for node in before.nodes:
+        for storage in _written(node):
+            for other in touched[storage] - {node.name}:
+                assert (before.pos[other] < before.pos[node.name]) == (after.pos[other] < after.pos[node.name]), (
+                    f"{other} and {node.name}, which writes the storage it touches, changed their order")
 
     # a parameter's gathers and frees keep their order: a re-gather follows its free
     def lifetimes(facts: FxFacts) -> dict[str, list[str]]:
