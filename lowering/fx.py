@@ -110,6 +110,28 @@ class _Target(NamedTuple):
     group_size_at: int | None  # position of the (last) `group_size` argument
 
 
+def _composite(schema) -> bool:
+    """A CompositeImplicit op: it decomposes into a view or a copy (reshape, contiguous, to)."""
+    name = schema.name + (f".{schema.overload_name}" if schema.overload_name else "")
+    return torch._C._dispatch_has_kernel_for_dispatch_key(name, "CompositeImplicitAutograd")
+
+
+def _python_view(name: str) -> tuple[bool, bool]:
+    """(a view, one that may copy) for a Python call named like an aten op: a view when every
+    overload of `aten.<name>` returns an alias of its input and writes nothing."""
+    try:
+        packet = getattr(torch.ops.aten, name)
+    except (AttributeError, RuntimeError):
+        return False, False
+    if not isinstance(packet, torch._ops.OpOverloadPacket) or not packet.overloads():
+        return False, False
+    schemas = [getattr(packet, o)._schema for o in packet.overloads()]
+    if not all(not s.is_mutable and s.returns and s.returns[0].alias_info is not None
+               and not s.returns[0].alias_info.is_write for s in schemas):
+        return False, False
+    return True, any(map(_composite, schemas))
+
+
 def _classify(op: str, target) -> _Target:
     name = _target_name(target)
     call = op == "call_function"
@@ -126,6 +148,10 @@ def _classify(op: str, target) -> _Target:
         result_alias = next((i for i, _ in written if schema.arguments[i].alias_info.before_set == ret.before_set), None)
     short = name.rsplit(".", 1)[-1]
     module = (getattr(target, "__module__", None) or "") if call else ""
+    may_copy = view and schema is not None and _composite(schema)
+    if schema is None and (op == "call_method" or (call and module.split(".")[0] == "torch")):
+        # a Python call (`x.view(...)`, `x.reshape(...)`, `torch.t(x)`): what aten's op of that name says
+        view, may_copy = _python_view(short)
     py_inplace = (
         (op == "call_method" and isinstance(target, str) and target.endswith("_") and not target.startswith("_"))
         or (call and schema is None and not isinstance(target, torch._ops.OpOverloadPacket)
@@ -138,8 +164,7 @@ def _classify(op: str, target) -> _Target:
         wait=collective and schema.name.endswith("::wait_tensor"),
         all_gather=schema is not None and schema.name.endswith("::all_gather_into_tensor"),
         view=view,
-        may_copy=view and schema is not None and torch._C._dispatch_has_kernel_for_dispatch_key(
-            schema.name + (f".{schema.overload_name}" if schema.overload_name else ""), "CompositeImplicitAutograd"),
+        may_copy=may_copy,
         written=written,
         result_alias=result_alias,
         py_inplace=py_inplace,
