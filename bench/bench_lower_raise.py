@@ -9,7 +9,7 @@ For each size, in the same process and interleaved (the machine may be shared), 
   fx:      `g = fx.Graph(); out = g.graph_copy(gm.graph, {}); g.output(out); g.lint();
            fx.GraphModule(gm, g)` — the least any raise must do;
 best of 3 (2 at 100k nodes and above) each, and reports ratio = fxsched / fx. `verify` is timed once
-beside it (not part of the ratio). The goal, recorded with the numbers: ratio <= 2.5 at 100k.
+beside it (not part of the ratio), and so is `derive_effects` alone (`effects`). The goal, recorded with the numbers: ratio <= 2.5 at 100k.
 
 Graphs come from `fxsched.front.generate.generate_graph` when it is importable, else from a
 simple local generator (a chain of tagged layers); `--generator` forces one. Results go to
@@ -34,7 +34,7 @@ from pathlib import Path
 import torch
 from torch import fx
 
-from fxsched.ir import derive_effects, verify
+from fxsched.ir import BACKWARD, ENTRY, Schedule, derive_effects, verify
 from fxsched.lowering import lower
 from fxsched.raising import raise_program
 
@@ -153,6 +153,13 @@ def bench_size(num_nodes: int, repeats: int, generator: str) -> dict:
     t0 = time.perf_counter()
     verify(program)
     verify_s = time.perf_counter() - t0
+    effects = []  # derive_effects alone, on a lowered program stripped of its effect edges and markers
+    for _ in range(repeats):
+        derive = _derive_again(gm)
+        gc.collect()
+        t0 = time.perf_counter()
+        derive()
+        effects.append(time.perf_counter() - t0)
     best = min(range(repeats), key=totals.__getitem__)
     row = {
         "requested_nodes": num_nodes,
@@ -168,6 +175,7 @@ def bench_size(num_nodes: int, repeats: int, generator: str) -> dict:
         "fx_copy_s": round(min(fxs), 4),
         "ratio": round(totals[best] / min(fxs), 3),
         "verify_s": round(verify_s, 4),
+        "effects_s": round(min(effects), 4),
         "all_fxsched_s": [round(t, 4) for t in totals],
         "all_fx_copy_s": [round(t, 4) for t in fxs],
     }
@@ -197,6 +205,9 @@ def _derive_again(gm: fx.GraphModule):
     program = lower(gm)
     effect = [(u, v) for u, v, e in program.graph.edges(data=True) if e["kind"] != "data"]
     program.graph.remove_edges_from(effect)
+    markers = {ENTRY, BACKWARD} & set(program.graph)
+    program.graph.remove_nodes_from(markers)
+    program.schedule = Schedule(n for n in program.schedule if n not in markers)
     return lambda: derive_effects(program)
 
 
@@ -211,13 +222,17 @@ def markdown(rows: list[dict], meta: dict) -> str:
         f"{meta['python']} · torch {meta['torch']} · {meta['machine']} · best of {meta['repeats_note']} "
         "· seconds",
         "",
-        "| nodes | generator | lower | raise | fxsched (lower+raise) | fx copy | ratio | verify | IR edges |",
-        "| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| nodes | generator | lower | raise | fxsched (lower+raise) | fx copy | ratio | verify | effects | IR edges |",
+        "| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for r in rows:
         lines.append(f"| {r['nodes']:,} | {r['generator']} | {r['lower_s']:.3f} | {r['raise_s']:.3f} | "
                      f"{r['fxsched_s']:.3f} | {r['fx_copy_s']:.3f} | {r['ratio']:.2f} | {r['verify_s']:.3f} | "
-                     f"{r['ir_edges']:,} |")
+                     f"{r['effects_s']:.3f} | {r['ir_edges']:,} |")
+    lines += ["", "effects: `derive_effects` alone (part of lower), on the lowered program with its effect edges "
+              "and markers removed, best of the repeats."]
+    if meta.get("note"):
+        lines += ["", meta["note"]]
     return "\n".join(lines) + "\n"
 
 
@@ -229,6 +244,7 @@ def main(argv=None) -> int:
     parser.add_argument("--out", type=Path, default=OUT)
     parser.add_argument("--profile", action="store_true", help="cProfile lowering/effects/raising at the largest size")
     parser.add_argument("--top", type=int, default=20)
+    parser.add_argument("--note", default="", help="a line for the report (e.g. a before/after comparison)")
     args = parser.parse_args(argv)
 
     rows = []
@@ -252,6 +268,7 @@ def main(argv=None) -> int:
         "torch": torch.__version__,
         "machine": f"{platform.machine()}, {os.cpu_count()} cpus",
         "repeats_note": "3 (2 at 100k+)" if args.repeats is None else str(args.repeats),
+        "note": args.note,
     }
     table = markdown(rows, meta)
     prof = profile(max(args.sizes), args.generator, args.top) if args.profile else ""

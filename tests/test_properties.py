@@ -541,7 +541,8 @@ def test_a_second_hide_run_keeps_every_gather_in_place():
 def ir_programs(draw) -> str:
     """A valid program: inputs, forward then backward ops — computes (heavy, attention, random),
     gathers (alone, with a cast, or bucketed with copy-outs) with views, uses, frees, re-gathers,
-    barriers, other collectives — then the output. Most steps are model-like layers: a gather,
+    barriers, other collectives, in-place writes (of a temporary, a gathered weight, a shard) —
+    then the output. Most steps are model-like layers: a gather,
     some compute, its use, maybe its free."""
     nparams = draw(st.integers(1, 6))
     lines = ['%x = input "x"'] + [f'%s{i} = input "shard{i}"' for i in range(nparams)]
@@ -610,6 +611,15 @@ def ir_programs(draw) -> str:
             lines.append(f'%{new("f")} = free "release"(%{live.pop(p)}) {{params = ["p{p}"]}}')
         elif action == "barrier":
             lines.append(f'%{new("b")} = barrier "aten.copy_"(%{cur}) {{reason = "mutation"}}')
+        elif action == "inplace":  # an in-place write: of the current value, a gathered weight, or a shard
+            where = draw(st.sampled_from(["cur", "cur", "live", "shard"]))
+            target = (live[draw(st.sampled_from(sorted(live)))] if where == "live" and live
+                      else f"s{draw(st.integers(0, nparams - 1))}" if where == "shard" else cur)
+            name = new("i")
+            operands = f"%{target}" if target == cur else f"%{target}, %{cur}"
+            lines.append(f'%{name} = compute "aten.add_"({operands}) {{writes = [%{target}], alias = %{target}}}')
+            if target == cur:
+                state["cur"] = name
         elif action == "collective":
             launch, wait = new("rs"), new("rw")
             tag = draw(st.sampled_from([" {role = fsdp_reduce_scatter}", ' {group = "tp"}']))
@@ -618,7 +628,7 @@ def ir_programs(draw) -> str:
             outputs.append(wait)
 
     actions = ["compute", "heavy", "attention", "random", "gather", "bucket", "use", "free", "barrier",
-               "collective", "view"] + ["layer"] * 8
+               "collective", "view", "inplace", "inplace"] + ["layer"] * 8
     for phase in (Phase.FORWARD, Phase.BACKWARD):
         if phase is Phase.BACKWARD:
             lines.append("^backward")
@@ -718,6 +728,26 @@ def check_ir_schedule(before_program, after_program, limit: int | None) -> set[s
         if isinstance(op, Free) and op.operands:
             late = [r for r in after.readers_of_storage(op.operands[0]) - {name} if after.pos[r] > after.pos[name]]
             assert not late, f"{late} read storage %{name} freed, after the free"
+
+    # storages (views and `alias` results share their source's): an op writing one keeps its
+    # order with every op touching it
+    def root(facts, name):
+        while True:
+            op = facts.ops[name]
+            source = op.operands[0] if isinstance(op, View) and op.operands else op.alias
+            if source is None:
+                return name
+            name = source
+
+    touching = defaultdict(set)
+    for name, op in before.ops.items():
+        for operand in op.operands:
+            touching[root(before, operand)].add(name)
+    for name, op in before.ops.items():
+        for written in op.writes:
+            for other in touching[root(before, written)] - {name}:
+                assert (before.pos[other] < before.pos[name]) == (after.pos[other] < after.pos[name]), (
+                    f"%{other} and %{name}, which writes storage it touches, changed their order")
 
     def lifetimes(facts):
         events = defaultdict(list)
