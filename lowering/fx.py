@@ -299,7 +299,7 @@ class _Lowering:
                 return (), None, False
             names = []
             for at, name in info.written:
-                value = args[at] if at < len(args) else kwargs.get(name)
+                value = args[at] if at < len(args) and not info.schema.arguments[at].kwarg_only else kwargs.get(name)
                 names += [n.name for n in _node_operands(value)]
             alias = None
             if info.result_alias is not None:
@@ -310,8 +310,9 @@ class _Lowering:
         if info.packet:
             names = []
             for overload in node.target.overloads():
-                for at, name in _written_arguments(getattr(node.target, overload)._schema):
-                    value = args[at] if at < len(args) else kwargs.get(name)
+                schema = getattr(node.target, overload)._schema
+                for at, name in _written_arguments(schema):  # a keyword-only one (`out=`) only if passed so
+                    value = args[at] if at < len(args) and not schema.arguments[at].kwarg_only else kwargs.get(name)
                     names += [n.name for n in _node_operands(value)]
             names = list(dict.fromkeys(names))
             return tuple(names), (names[0] if names else None), False
