@@ -19,7 +19,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 import fxsched
 from irtest import dedent, run
-from fxsched.ir import Barrier, Compute, EffectError, Opaque, View, Wait, parse_program, print_program, verify
+from fxsched.ir import Barrier, Compute, Opaque, ParseError, View, Wait, parse_program, print_program, verify
 from fxsched.ir import effects as effects_module
 verify_module = importlib.import_module("fxsched.ir.verify")
 from fxsched.lowering import lower
@@ -112,7 +112,7 @@ def test_writes_and_alias_must_be_operands():
 
 
 def test_a_write_after_the_free_is_a_use_after_free():
-    with pytest.raises(EffectError, match=r"%a writes storage that %f freed before it"):
+    with pytest.raises(ParseError, match=r"%a writes storage that %f freed before it"):
         parse_program(dedent("""
             %s = input
             ^entry
@@ -142,7 +142,7 @@ def test_a_read_through_a_maybe_view_after_the_free_is_a_note_not_an_error():
                        "(no order kept with the free)"]
     assert ("c", "f") in edges(p, "free")  # the maybe view itself reads the storage: before the free
     verify(p)
-    with pytest.raises(EffectError, match=r"%n reads storage that %f freed before it"):
+    with pytest.raises(ParseError, match=r"%n reads storage that %f freed before it"):
         parse_program(text.replace(" {maybe}", ""))  # a view for certain: the graph reads freed memory
 
 
