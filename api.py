@@ -18,7 +18,7 @@ from .ir.gcpause import gc_paused
 from .ir import tags
 from .lowering import lower
 from .passes import DEFAULT_PIPELINE, Instrument, PassContext, PassManager, PipelineResult, Timing
-from .raising import raise_program
+from .raising import raise_in_place, raise_program
 
 LOG = logging.getLogger("fxsched")
 
@@ -66,6 +66,21 @@ def schedule(gm: fx.GraphModule, pipeline: str = DEFAULT_PIPELINE, *, verify_eac
     cost-guided passes price ops with (a hardware profile name such as "h200", a
     `fxsched.cost.model.CostModel`, a {target: ms} table or a function op -> ms; H100 when None).
     """
+    done = _schedule(gm, pipeline, raise_program, verify_each=verify_each, timing=timing,
+                     instruments=instruments, cost_model=cost_model)
+    # Tag what this run moved, as the drop-in does: lowering reads the tag back, so scheduling
+    # the result again counts these gathers in flight instead of overshooting the budget.
+    moved = {row["launch"]: row["anchor"] for row in gather_table(done.program)
+             if row["moved"] and row["reason"] is None and row["anchor"] is not None}
+    for node in done.graph_module.graph.nodes:
+        if node.name in moved:
+            node.meta[tags.PREFETCH_ANCHOR] = moved[node.name]
+    return done
+
+
+def _schedule(gm: fx.GraphModule, pipeline: str, raising, *, verify_each: bool = True, timing: bool = False,
+              instruments: list[Instrument] | None = None, cost_model: Any = None) -> ScheduleResult:
+    """`schedule`, raising with `raising` (a fresh module, or `gm` itself reordered in place)."""
     manager = PassManager(pipeline, verify_each=verify_each, instruments=list(instruments or []))
     timer = Timing() if timing else None
     if timer:
@@ -74,14 +89,7 @@ def schedule(gm: fx.GraphModule, pipeline: str = DEFAULT_PIPELINE, *, verify_eac
         gm.graph.lint()
         program = lower(gm)
         result = manager.run(program, PassContext(cost_model=cost_model))
-        raised = raise_program(program)
-    # Tag what this run moved, as the drop-in does: lowering reads the tag back, so scheduling
-    # the result again counts these gathers in flight instead of overshooting the budget.
-    moved = {row["launch"]: row["anchor"] for row in gather_table(program)
-             if row["moved"] and row["reason"] is None and row["anchor"] is not None}
-    for node in raised.graph.nodes:
-        if node.name in moved:
-            node.meta[tags.PREFETCH_ANCHOR] = moved[node.name]
+        raised = raising(program)
     return ScheduleResult(raised, program, str(manager), result, timer)
 
 
@@ -99,18 +107,17 @@ def overlap_param_gather(graph_module: fx.GraphModule, config) -> fx.GraphModule
     enabled, budget, forward, backward = read_config(config)
     if not enabled:
         return graph_module
-    done = schedule(graph_module, reference_pipeline(budget, forward, backward))
+    # the module's own nodes are relinked into the new order (nothing is copied; meta, names and
+    # whatever callers hold of them stay valid), then its code is generated once
+    done = _schedule(graph_module, reference_pipeline(budget, forward, backward), raise_in_place)
     stats = done.result.stats()
     prefetch = next(v for k, v in stats.items() if k.startswith("prefetch"))
     sink = next(v for k, v in stats.items() if k.startswith("sink"))
-    # only what this run moved (an earlier run's anchors stay in the copied meta)
-    anchors = {row["launch"]: row["anchor"] for row in gather_table(done.program)
-               if row["moved"] and row["reason"] is None}
-    new_graph = done.graph_module.graph
-    for node in new_graph.nodes:
-        if node.name in anchors:
-            node.meta[tags.PREFETCH_ANCHOR] = anchors[node.name]
-    graph_module.graph = new_graph
+    # only what this run moved (an earlier run's anchors stay in the meta); the program's
+    # payload is the module's own nodes
+    for row in gather_table(done.program):
+        if row["moved"] and row["reason"] is None:
+            done.program.payload[row["launch"]].meta[tags.PREFETCH_ANCHOR] = row["anchor"]
     graph_module.recompile()
     counts = {"forward": prefetch["forward"], "backward": prefetch["backward"], "sunk": sink["sunk"]}
     graph_module.meta[tags.PREFETCH_COUNTS] = counts

@@ -1,8 +1,11 @@
-"""Raise a Program into a fresh torch.fx GraphModule in schedule order, meta kept.
+"""Raise a Program into torch.fx in schedule order, meta kept: a fresh GraphModule, or the
+lowered one itself with its own nodes relinked.
 
-The module's Python code is generated lazily, on its first call or `.code` (torch's
-`_LazyGraphModule`, as Inductor's own passes use): a scheduling pass hands the graph on and
-most callers never run its code, and generating it is over half of raising at 30k nodes.
+`raise_program` copies: the fresh module's Python code is generated lazily, on its first call
+or `.code` (torch's `_LazyGraphModule`, as Inductor's own passes use): a scheduling pass hands
+the graph on and most callers never run its code, and generating it is over half of raising
+at 30k nodes. `raise_in_place` copies nothing: the drop-in schedules the caller's module in
+place, so its own nodes (meta, names, users, everything callers hold) are put in the new order.
 """
 
 from __future__ import annotations
@@ -28,11 +31,55 @@ def raise_program(program: Program, *, lint: bool = True) -> fx.GraphModule:
         return _raise(program, lint)
 
 
-def _raise(program: Program, lint: bool) -> fx.GraphModule:
+def raise_in_place(program: Program, *, lint: bool = True) -> fx.GraphModule:
+    """Relink the lowered GraphModule's own nodes into schedule order (markers vanish) and return it.
+
+    Only the order changes: node objects, names, args and meta stay as they were. The module's
+    code is NOT regenerated here: call `recompile()` once the caller is done with the graph
+    (the drop-in tags meta first, and one code generation is most of what it costs).
+    """
+    source = _origin(program)
+    graph = source.graph
+    order = _scheduled_nodes(program)
+    if len(order) != len(graph.nodes) or any(node.graph is not graph for node in order):
+        raise RaisingError("the program's FX nodes are not those of its module's graph "
+                           "(was the graph changed after lowering?): cannot reorder it in place")
+    # appending each node at the end (before the graph's sentinel) in schedule order: C does the
+    # unlinking and the order keys, and a node already in place costs one relink
+    root = graph._root
+    for node in order:
+        root.prepend(node)
+    if lint:
+        graph.lint()
+    return source
+
+
+def _origin(program: Program) -> fx.GraphModule:
     source = program.origin
     if not isinstance(source, fx.GraphModule):
         raise RaisingError("this program was not lowered from a GraphModule (parsed from text?): "
                            "nothing to raise it into")
+    return source
+
+
+def _scheduled_nodes(program: Program) -> list[fx.Node]:
+    """The lowered FX nodes in schedule order; markers have none."""
+    nodes = program.graph._node
+    payload = program.payload
+    order = []
+    for name in program.schedule:
+        node = payload.get(name)
+        if node is None:
+            op = nodes[name]["op"]
+            if isinstance(op, Marker):
+                continue
+            raise RaisingError(f"%{name} ({op.KIND}) has no FX node to raise from")
+        order.append(node)
+    return order
+
+
+def _raise(program: Program, lint: bool) -> fx.GraphModule:
+    source = _origin(program)
     graph = fx.Graph(owning_module=source, tracer_cls=source.graph._tracer_cls)
     graph._codegen = source.graph._codegen
     env: dict[fx.Node, fx.Node] = {}

@@ -1,0 +1,65 @@
+"""The drop-in schedules the caller's module in place: it relinks the module's own nodes into
+the new order (nothing copied, meta and names kept), lints, and generates the code once."""
+
+from __future__ import annotations
+
+import pytest
+from torch import fx
+
+import fxsched
+from fxsched.front.generate import generate_graph
+from fxsched.raising import RaisingError, raise_in_place
+from fxsched.lowering import lower
+
+CONFIG = fxsched.PassConfig(max_in_flight_gb=1.0, fsdp_forward_prefetch_depth=2)
+
+
+def _graph():
+    return generate_graph(600, seed=3, buckets=True, mixed_precision=True)
+
+
+def test_drop_in_relinks_the_modules_own_nodes():
+    gm = _graph()
+    nodes = list(gm.graph.nodes)
+    metas = {n: n.meta for n in nodes}
+    graph = gm.graph
+    fresh = fxsched.schedule(_graph(), fxsched.reference_pipeline(1.0, 2, 1)).graph_module
+    out = fxsched.overlap_param_gather(gm, CONFIG)
+    assert out is gm and gm.graph is graph
+    after = list(gm.graph.nodes)
+    assert set(after) == set(nodes) and len(after) == len(nodes)  # the same node objects, none added
+    assert after != nodes  # and something moved
+    assert all(n.meta is metas[n] for n in after)
+    gm.graph.lint()
+    # the same order and code as the fresh module `schedule` raises, and anchors on the moved gathers
+    assert [n.name for n in after] == [n.name for n in fresh.graph.nodes]
+    assert gm.code == fresh.code
+    anchors = {n.name: n.meta["fsdp_prefetch_anchor"] for n in after if "fsdp_prefetch_anchor" in n.meta}
+    assert anchors and anchors == {n.name: n.meta["fsdp_prefetch_anchor"] for n in fresh.graph.nodes
+                                   if "fsdp_prefetch_anchor" in n.meta}
+    assert sum(gm.meta["fsdp_prefetch"][k] for k in ("forward", "backward")) == len(anchors)
+
+
+def test_drop_in_generates_the_code_once(monkeypatch):
+    gm = _graph()
+    calls = []
+    real = fx.Graph.python_code
+
+    def counting(self, *args, **kwargs):
+        calls.append(self)
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(fx.Graph, "python_code", counting)
+    fxsched.overlap_param_gather(gm, CONFIG)
+    assert calls == [gm.graph]
+
+
+def test_in_place_raising_refuses_a_graph_changed_after_lowering():
+    gm = _graph()
+    program = lower(gm)
+    order = list(gm.graph.nodes)
+    with gm.graph.inserting_before(gm.graph.output_node()):
+        extra = gm.graph.call_function(print, ())  # a node the program never saw
+    with pytest.raises(RaisingError, match="not those of its module's graph"):
+        raise_in_place(program)
+    assert [n for n in gm.graph.nodes if n is not extra] == order  # nothing was relinked
