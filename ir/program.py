@@ -2,6 +2,9 @@
 
 Legality is one question — is the schedule a topological order of the graph? — so every
 ordering rule is an edge (see ir/effects.py), and passes only ever reorder the schedule.
+The graph is an `IRGraph`, a DiGraph whose edges made here share one read-only attribute dict
+per kind (and `why`); its `add_edge`/`add_edges_from` give an edge they change a dict of its own,
+and editing a shared dict in place (`graph.edges[u, v]["why"] = ...`) raises TypeError.
 """
 
 from __future__ import annotations
@@ -17,6 +20,57 @@ from .ops import Op
 
 DATA = "data"
 EFFECT = "effect"
+
+
+class _SharedAttrs(dict):
+    """The attribute dict of every edge of one kind (and `why`): read-only, as editing it would
+    edit them all. One dict per edge was ~30 MiB and 200k allocations at 100k nodes."""
+
+    __slots__ = ()
+
+    def _read_only(self, *args, **kwargs):
+        raise TypeError("an IR edge's attributes are shared with every edge of its kind: "
+                        "give the edge a new dict instead of editing this one")
+
+    __setitem__ = __delitem__ = __ior__ = update = setdefault = pop = popitem = clear = _read_only
+
+    def __reduce__(self):  # copy/pickle rebuild it from a plain dict, not key by key
+        return (type(self), (dict(self),))
+
+
+_DATA_ATTRS = _SharedAttrs(kind=DATA)
+_EFFECT_ATTRS: dict[str, _SharedAttrs] = {}  # why -> the attributes of every effect edge with it
+
+
+def _effect_attrs(why: str) -> _SharedAttrs:
+    attrs_ = _EFFECT_ATTRS.get(why)
+    if attrs_ is None:
+        attrs_ = _EFFECT_ATTRS.setdefault(why, _SharedAttrs(kind=EFFECT, why=why))
+    return attrs_
+
+
+class IRGraph(nx.DiGraph):
+    """A networkx DiGraph whose edges may share a read-only attribute dict (see `Program.add_all`).
+
+    networkx's `add_edge` updates an existing edge's dict in place: here an edge with a shared
+    dict gets a copy of its own first, so adding an edge again (or with new attributes) works as
+    on any DiGraph and leaves the other edges of its kind alone.
+    """
+
+    def add_edge(self, u_of_edge, v_of_edge, **attr):
+        self._unshare(u_of_edge, v_of_edge)
+        super().add_edge(u_of_edge, v_of_edge, **attr)
+
+    def add_edges_from(self, ebunch_to_add, **attr):
+        ebunch = list(ebunch_to_add)
+        for e in ebunch:
+            self._unshare(e[0], e[1])
+        super().add_edges_from(ebunch, **attr)
+
+    def _unshare(self, u, v) -> None:
+        nbrs = self._succ.get(u)
+        if nbrs is not None and type(nbrs.get(v)) is _SharedAttrs:
+            nbrs[v] = self._pred[v][u] = dict(nbrs[v])
 
 
 class Schedule:
@@ -107,7 +161,7 @@ class Program:
     raising (FX nodes and their GraphModule); the IR never looks inside them.
     """
 
-    graph: nx.DiGraph = attrs.field(factory=nx.DiGraph)
+    graph: nx.DiGraph = attrs.field(factory=IRGraph)
     schedule: Schedule = attrs.field(factory=Schedule)
     notes: list[str] = attrs.field(factory=list)
     payload: dict[str, Any] = attrs.field(factory=dict)
@@ -123,9 +177,11 @@ class Program:
         """`add` each op in turn."""
         # What graph.add_node and graph.add_edge do, on networkx's adjacency dicts directly:
         # lowering adds every node and most edges here, and their general-purpose argument
-        # handling was a third of the cost. Same dicts, filled in the same order.
+        # handling was a third of the cost. Same adjacency dicts, filled in the same order; an
+        # edge's attributes are the one shared dict of its kind.
         graph = self.graph
         succ, pred, node = graph._succ, graph._pred, graph._node
+        shared = isinstance(graph, IRGraph)  # a plain DiGraph (given by a caller) gets a dict per edge
         try:
             for op in ops:
                 name = op.name
@@ -137,7 +193,7 @@ class Program:
                 for operand in op.operands:
                     if operand not in succ:
                         raise ValueError(f"%{name} uses %{operand}, which is not defined")
-                    succ[operand][name] = into[operand] = {"kind": DATA}
+                    succ[operand][name] = into[operand] = _DATA_ATTRS if shared else {"kind": DATA}
         finally:
             _clear_cache(graph)
 
@@ -148,7 +204,8 @@ class Program:
         if before == after or (before in succ and after in succ[before]):
             return
         if before in succ and after in succ:  # graph.add_edge, directly (as in `add`)
-            succ[before][after] = graph._pred[after][before] = {"kind": EFFECT, "why": why}
+            succ[before][after] = graph._pred[after][before] = (
+                _effect_attrs(why) if isinstance(graph, IRGraph) else {"kind": EFFECT, "why": why})
             _clear_cache(graph)
         else:  # let networkx add the missing node(s) as it always has
             graph.add_edge(before, after, kind=EFFECT, why=why)
