@@ -11,13 +11,14 @@ place, so its own nodes (meta, names, users, everything callers hold) are put in
 from __future__ import annotations
 
 from torch import fx
+from torch.fx.node import map_arg
 
 try:  # torch-internal; without it, fall back to an eager recompile
     from torch.fx._lazy_graph_module import _LazyGraphModule as _GraphModule
 except ImportError:  # pragma: no cover
     _GraphModule = fx.GraphModule
 
-from ..ir import Input, Marker, Program
+from ..ir import Marker, Program
 from ..ir.gcpause import gc_paused
 
 
@@ -83,18 +84,16 @@ def _raise(program: Program, lint: bool) -> fx.GraphModule:
     graph = fx.Graph(owning_module=source, tracer_cls=source.graph._tracer_cls)
     graph._codegen = source.graph._codegen
     env: dict[fx.Node, fx.Node] = {}
-    nodes = program.graph.nodes
-    payload = program.payload
-    for name in program.schedule:
-        op = nodes[name]["op"]
-        if isinstance(op, Marker):
-            continue
-        node = payload.get(name)
-        if node is None:
-            raise RaisingError(f"%{name} ({op.KIND}) has no FX node to raise from")
-        env[node] = graph.node_copy(node, env.__getitem__)
-        if isinstance(op, Input) and env[node].name != name:
-            raise RaisingError(f"input %{name} was renamed to {env[node].name}")
+    create, remap = graph.create_node, env.__getitem__
+    for node in _scheduled_nodes(program):
+        # Graph.node_copy, less its `copy.meta = ...`: assigning an attribute of a node already in
+        # the graph goes through Node.__setattr__, which takes it out of the graph's lookup table
+        # and puts it back (a tenth of raising); filling the new node's empty meta dict is the same copy
+        copy = env[node] = create(node.op, node.target, map_arg(node.args, remap), map_arg(node.kwargs, remap),
+                                  node.name, node.type)
+        copy.meta.update(node.meta)
+        if node.op == "placeholder" and copy.name != node.name:
+            raise RaisingError(f"input %{node.name} was renamed to {copy.name}")
     gm = _GraphModule(source, graph, class_name=type(source).__name__)
     gm.meta.update(source.meta)
     if lint:
