@@ -27,7 +27,9 @@ class RaisingError(ValueError):
 
 
 def raise_program(program: Program, *, lint: bool = True) -> fx.GraphModule:
-    """Copy each lowered FX node into a new graph in schedule order; markers vanish."""
+    """Copy each lowered FX node into a new graph in schedule order; markers vanish, and so do
+    ops a rewriting pass erased. An op whose operands a pass replaced (ir/rewriter.py) reads
+    its new operands' nodes: lowering made the operands from the node's inputs, in order."""
     with gc_paused():
         return _raise(program, lint)
 
@@ -85,11 +87,17 @@ def _raise(program: Program, lint: bool) -> fx.GraphModule:
     graph._codegen = source.graph._codegen
     env: dict[fx.Node, fx.Node] = {}
     create, remap = graph.create_node, env.__getitem__
+    ops, payload = program.graph._node, program.payload
     for node in _scheduled_nodes(program):
+        inputs, operands = node.all_input_nodes, ops[node.name]["op"].operands
+        mapper = remap
+        if len(inputs) != len(operands) or any(o != n.name for o, n in zip(operands, inputs)):
+            # a rewriting pass changed what it reads: each FX input maps to its operand's node
+            mapper = dict(zip(inputs, (env[payload[o]] for o in operands))).__getitem__
         # Graph.node_copy, less its `copy.meta = ...`: assigning an attribute of a node already in
         # the graph goes through Node.__setattr__, which takes it out of the graph's lookup table
         # and puts it back (a tenth of raising); filling the new node's empty meta dict is the same copy
-        copy = env[node] = create(node.op, node.target, map_arg(node.args, remap), map_arg(node.kwargs, remap),
+        copy = env[node] = create(node.op, node.target, map_arg(node.args, mapper), map_arg(node.kwargs, mapper),
                                   node.name, node.type)
         copy.meta.update(node.meta)
         if node.op == "placeholder" and copy.name != node.name:

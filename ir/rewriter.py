@@ -1,0 +1,143 @@
+"""The rewriter: the one way a pass changes a program's node set (as MLIR's PatternRewriter).
+
+Three edits, each keeping the program verified locally, so a rewriting pass is as easy to
+write and to check as a reorder-only one:
+
+- `create(op, before=name)`: add an op (its operands must exist and come earlier in the
+  schedule) with its data edges, placed in the schedule just before `name`;
+- `replace_uses(old, new)`: every data use of `old` reads `new` instead; a use that frees
+  storage (a Free) gets an effect edge from every reader of `new`'s storage, as
+  ir/effects.py would have derived, so nothing can move past it later;
+- `erase(name)`: remove an op no one reads; every predecessor of it (data or effect) is
+  ordered before every successor by an effect edge, so whatever the erased op ordered stays
+  ordered (an erased free's readers stay ahead of the gather that followed it).
+
+Edges are handled generically — whatever rule made them — so the rewriter does not depend on
+how effects were derived. The rewriter keeps the schedule a permutation of the nodes; the
+pass manager fully re-verifies after a pass that is not `reorders_only`.
+"""
+
+from __future__ import annotations
+
+import attrs
+
+from .effects import storage_readers, storage_root
+from .ops import Free, Op
+from .program import DATA, EFFECT, Program, Schedule
+
+
+class RewriteError(ValueError):
+    """A rewrite that would leave the program invalid (a dangling use, a use before its producer)."""
+
+
+class Rewriter:
+    """Edits one program; `created`, `erased` and `replaced` count what it did (for statistics)."""
+
+    def __init__(self, program: Program):
+        self.program = program
+        self.created = 0
+        self.erased = 0
+        self.replaced = 0
+
+    # ---- create -----------------------------------------------------------------------
+    def create(self, op: Op, *, before: str, payload: object = None) -> Op:
+        """Add `op` with data edges from its operands, scheduled just before `before`.
+
+        `payload` is what raising builds the op's FX node from (see raising/fx.py); without
+        one, raising refuses the op."""
+        program = self.program
+        pos = program.schedule.index
+        if before not in program.schedule:
+            raise RewriteError(f"create(%{op.name}): %{before} is not scheduled")
+        for operand in op.operands:
+            if operand not in program.graph:
+                raise RewriteError(f"create(%{op.name}): operand %{operand} is not defined")
+            if pos(operand) >= pos(before):
+                raise RewriteError(f"create(%{op.name}): operand %{operand} is not scheduled before %{before}")
+        program.add(op)
+        program.schedule = _inserted(program.schedule, op.name, before)
+        if payload is not None:
+            program.payload[op.name] = payload
+        self.created += 1
+        return op
+
+    # ---- replace ----------------------------------------------------------------------
+    def replace_uses(self, old: str, new: str, *, only: set[str] | None = None) -> list[str]:
+        """Make every data user of `old` (or those in `only`) read `new`; returns the users.
+
+        `new` must be scheduled before each such user. A user that frees storage inherits the
+        ordering a free of `new` needs: every reader of `new`'s storage goes before it."""
+        program = self.program
+        graph = program.graph
+        pos = program.schedule.index
+        users = [u for u in program.users(old) if only is None or u in only]
+        for user in users:
+            if pos(new) >= pos(user):
+                raise RewriteError(f"replace_uses(%{old}, %{new}): %{new} is not scheduled before its new user %{user}")
+        for user in users:
+            op = program.op(user)
+            graph.nodes[user]["op"] = _with_operands(op, old, new)
+            graph.remove_edge(old, user)
+            if graph.has_edge(new, user):  # an effect edge there already: a data edge orders it too
+                graph.remove_edge(new, user)
+            graph.add_edge(new, user, kind=DATA)
+            self.replaced += 1
+        for user in users:
+            if isinstance(program.op(user), Free):
+                self._order_readers_before(user)
+        return users
+
+    def _order_readers_before(self, free: str) -> None:
+        program = self.program
+        pos = program.schedule.index
+        op = program.op(free)
+        for reader in storage_readers(program, storage_root(program, op.operands[0])):
+            if reader == free or isinstance(program.op(reader), Free):
+                continue
+            if pos(reader) > pos(free):
+                raise RewriteError(f"%{reader} reads storage that %{free} now frees, but is scheduled after it")
+            program.add_effect(reader, free, "free")
+
+    # ---- erase ------------------------------------------------------------------------
+    def erase(self, name: str) -> None:
+        """Remove an op that no one reads; its predecessors stay ordered before its successors."""
+        program = self.program
+        graph = program.graph
+        if not program.op(name).MOVABLE:
+            raise RewriteError(f"erase(%{name}): {program.op(name).KIND} ops are never erased")
+        if users := program.users(name):
+            raise RewriteError(f"erase(%{name}): still read by " + ", ".join(f"%{u}" for u in users))
+        preds = [(p, e) for p, e in graph.pred[name].items()]
+        succs = list(graph.succ[name])
+        for p, e in preds:
+            # the rule the edge into the erased op kept, so a broken bridge names it
+            why = e["why"] if e["kind"] == EFFECT else f"through erased %{name}"
+            for s in succs:
+                program.add_effect(p, s, why)
+        graph.remove_node(name)
+        program.schedule = _removed(program.schedule, name)
+        program.payload.pop(name, None)
+        self.erased += 1
+
+
+def _with_operands(op: Op, old: str, new: str) -> Op:
+    """`op` reading `new` for `old`: its operands, and any field naming an operand's storage
+    (the storage effects' `writes` and `alias`, where the op kind has them)."""
+    changes: dict[str, object] = {"operands": tuple(new if o == old else o for o in op.operands)}
+    if old in getattr(op, "writes", ()):
+        changes["writes"] = tuple(new if o == old else o for o in op.writes)
+    if getattr(op, "alias", None) == old:
+        changes["alias"] = new
+    return attrs.evolve(op, **changes)
+
+
+# a rewrite changes the node set, so the schedule is rebuilt (O(N) per edit: rewriting passes
+# edit a few nodes per candidate, and the manager re-verifies the whole program after them)
+def _inserted(schedule: Schedule, name: str, before: str) -> Schedule:
+    order = schedule.names()
+    order.insert(schedule.index(before), name)
+    return Schedule(order)
+
+
+def _removed(schedule: Schedule, name: str) -> Schedule:
+    return Schedule(n for n in schedule if n != name)
