@@ -5,9 +5,10 @@ write and to check as a reorder-only one:
 
 - `create(op, before=name)`: add an op (its operands must exist and come earlier in the
   schedule) with its data edges, placed in the schedule just before `name`;
-- `replace_uses(old, new)`: every data use of `old` reads `new` instead; a use that frees
-  storage (a Free) gets an effect edge from every reader of `new`'s storage, as
-  ir/effects.py would have derived, so nothing can move past it later;
+- `replace_uses(old, new)`: every data use of `old` reads `new` instead, ordered against the
+  other accesses of `new`'s storage as ir/effects.py would have derived (a use that frees or
+  writes it after every earlier reader, a read before any later free or write), so nothing
+  can move past it later;
 - `erase(name)`: remove an op no one reads; every predecessor of it (data or effect) is
   ordered before every successor by an effect edge, so whatever the erased op ordered stays
   ordered (an erased free's readers stay ahead of the gather that followed it).
@@ -65,8 +66,8 @@ class Rewriter:
     def replace_uses(self, old: str, new: str, *, only: set[str] | None = None) -> list[str]:
         """Make every data user of `old` (or those in `only`) read `new`; returns the users.
 
-        `new` must be scheduled before each such user. A user that frees storage inherits the
-        ordering a free of `new` needs: every reader of `new`'s storage goes before it."""
+        `new` must be scheduled before each such user. Each user inherits the ordering an
+        access of `new`'s storage needs (see `_order_storage`)."""
         program = self.program
         graph = program.graph
         pos = program.schedule.index
@@ -74,6 +75,7 @@ class Rewriter:
         for user in users:
             if pos(new) >= pos(user):
                 raise RewriteError(f"replace_uses(%{old}, %{new}): %{new} is not scheduled before its new user %{user}")
+        saved = {user: (program.op(user), dict(graph.pred[user])) for user in users}
         for user in users:
             op = program.op(user)
             graph.nodes[user]["op"] = _with_operands(op, old, new)
@@ -81,22 +83,44 @@ class Rewriter:
             if graph.has_edge(new, user):  # an effect edge there already: a data edge orders it too
                 graph.remove_edge(new, user)
             graph.add_edge(new, user, kind=DATA)
-            self.replaced += 1
-        for user in users:
-            if isinstance(program.op(user), Free):
-                self._order_readers_before(user)
+        try:
+            edges = self._storage_order(users, new)
+        except RewriteError:  # leave the program as it was
+            for user, (op, preds) in saved.items():
+                graph.nodes[user]["op"] = op
+                for p in list(graph.pred[user]):
+                    graph.remove_edge(p, user)
+                for p, e in preds.items():
+                    graph.add_edge(p, user, **e)
+            raise
+        for before, after, why in edges:
+            program.add_effect(before, after, why)
+        self.replaced += len(users)
         return users
 
-    def _order_readers_before(self, free: str) -> None:
+    def _storage_order(self, users: list[str], new: str) -> list[tuple[str, str, str]]:
+        """The effect edges that order the new accesses of `new`'s storage (the users and what
+        reads it through them, by views) against its other accesses, as ir/effects.py orders
+        accesses: of two accesses where either writes (or frees) the storage, the earlier in
+        the schedule goes first. Raises RewriteError for a read after a free."""
         program = self.program
         pos = program.schedule.index
-        op = program.op(free)
-        for reader in storage_readers(program, storage_root(program, op.operands[0])):
-            if reader == free or isinstance(program.op(reader), Free):
-                continue
-            if pos(reader) > pos(free):
-                raise RewriteError(f"%{reader} reads storage that %{free} now frees, but is scheduled after it")
-            program.add_effect(reader, free, "free")
+        root = storage_root(program, new)
+        accessors = storage_readers(program, root)
+        fresh = set(users)
+        for user in users:  # what reads the storage through a user that aliases it
+            fresh |= storage_readers(program, user) & accessors
+        writes = {a: _writes(program, a, root) for a in accessors}
+        edges = []
+        for a in sorted(fresh, key=pos):
+            for b in accessors:
+                if b == a or (b in fresh and pos(b) < pos(a)) or not (writes[a] or writes[b]):
+                    continue  # a pair of new accesses is taken once, from its earlier one
+                first, then = (a, b) if pos(a) < pos(b) else (b, a)
+                if isinstance(program.op(first), Free) and not isinstance(program.op(then), Free):
+                    raise RewriteError(f"%{then} would read storage that %{first} frees before it")
+                edges.append((first, then, "free" if isinstance(program.op(then), Free) else "storage"))
+        return edges
 
     # ---- erase ------------------------------------------------------------------------
     def erase(self, name: str) -> None:
@@ -118,6 +142,15 @@ class Rewriter:
         program.schedule = _removed(program.schedule, name)
         program.payload.pop(name, None)
         self.erased += 1
+
+
+def _writes(program: Program, name: str, root: str) -> bool:
+    """Whether `name` writes or frees the storage `root` (a Free of it, or an op whose `writes`,
+    where the op kind has them, name it)."""
+    op = program.op(name)
+    if isinstance(op, Free):
+        return bool(op.operands) and storage_root(program, op.operands[0]) == root
+    return any(storage_root(program, w) == root for w in getattr(op, "writes", ()))
 
 
 def _with_operands(op: Op, old: str, new: str) -> Op:

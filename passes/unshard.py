@@ -1,5 +1,7 @@
-"""unshard: selective unsharding — the backward reads a parameter's forward replica instead of
-gathering it again, where the simulated peak memory stays within a cap.
+"""unshard: the backward reads a parameter's forward replica, within a peak-memory cap.
+
+Selective unsharding: instead of gathering a parameter again, the backward keeps the one the
+forward gathered, where the simulated peak memory stays within a cap.
 
 A candidate is a parameter whose forward gather is freed after the forward (a Free of its
 wait) and gathered again in the backward (a launch with role REGATHER of the same shard, same
@@ -27,15 +29,19 @@ import attrs
 from ..cost.model import CostAnalysis
 from ..cost.simulate import simulate
 from ..ir import DATA, Cast, Free, Launch, Program, Role, Wait, storage_root
+from ..ir.holds import register_hold
 from ..ir.rewriter import Rewriter
 from .base import ModulePass, PassContext, PassResult, check_budget, register_pass
 
 GIB = 1 << 30
 
-OVER_CAP = "over peak cap"
-NO_FORWARD_REPLICA = "no forward replica"
-BUCKETED = "bucketed"
-SHARD_WRITTEN = "shard written"
+OVER_CAP = register_hold("over peak cap", "unshard: keeping its forward replica for the backward would raise "
+                                           "the simulated peak memory over the cap (max-peak-gb, max-peak-increase-gb)")
+NO_FORWARD_REPLICA = register_hold("no forward replica", "unshard: no single forward gather of the same shard, "
+                                                         "group and type whose replica the forward frees")
+BUCKETED = register_hold("bucketed", "unshard: it gathers a bucket; only single-parameter re-gathers are unsharded")
+SHARD_WRITTEN = register_hold("shard written", "unshard: the shard is written in place, so the forward replica may "
+                                               "differ from what the re-gather would read")
 
 
 @attrs.frozen
@@ -119,12 +125,12 @@ class Unshard(ModulePass):
 def unshard(program: Program, c: Candidate) -> Rewriter:
     """Rewrite one candidate in `program` (see the module docstring)."""
     rewriter = Rewriter(program)
+    rewriter.erase(c.forward_free)  # first: the re-gather's readers may not follow a free of the replica
     rewriter.replace_uses(c.regather_wait, c.forward_wait)
     rewriter.erase(c.regather_wait)
     rewriter.erase(c.regather)
     if c.regather_cast is not None:
         rewriter.erase(c.regather_cast)
-    rewriter.erase(c.forward_free)
     return rewriter
 
 

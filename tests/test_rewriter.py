@@ -44,12 +44,17 @@ def test_erase_refuses_an_op_still_read():
 def test_replace_uses_moves_reads_and_frees_to_the_new_value():
     program = parse_program(TEXT)
     rewriter = Rewriter(program)
+    with pytest.raises(RewriteError, match="%g would read storage that %f frees before it"):
+        rewriter.replace_uses("rt", "t")
+    verify(program)  # the refused rewrite left the program as it was
+    assert program.op("g").operands == ("z", "rt")
+    rewriter.erase("f")
     assert rewriter.replace_uses("rt", "t") == ["g", "rf"]
     assert program.op("g").operands == ("z", "t") and program.op("rf").operands == ("t",)
     # the backward free now frees %t: every reader of %t's storage is ordered before it
     for reader in ("v", "y", "g"):
         assert program.graph.has_edge(reader, "rf")
-    for name in ("rt", "rag", "f"):
+    for name in ("rt", "rag"):
         rewriter.erase(name)
     verify(program)
     assert rewriter.erased == 3 and rewriter.replaced == 2
