@@ -14,7 +14,8 @@ the backward computes bitwise the same.
 Candidates go best first — the most exposed communication per byte held, then the most
 communication per byte — and each is taken only if the program's simulated peak memory with
 it stays within the cap: `max-peak-gb` when set, else the input's simulated peak plus
-`max-peak-increase-gb` (both set: the smaller). Every candidate not taken says why in the
+`max-peak-increase-gb` (both set: the smaller), and, with `min-saved-ms`, only if it shortens
+the simulated step by that much. Every candidate not taken says why in the
 statistics and, when its launch has no reason yet, in its `hold`. Run it after the
 scheduling passes (`default,unshard{...}`), so the cap is checked on the final order.
 """
@@ -22,6 +23,7 @@ scheduling passes (`default,unshard{...}`), so the cap is checked on the final o
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections import Counter
 
 import attrs
@@ -31,7 +33,7 @@ from ..cost.simulate import simulate
 from ..ir import DATA, Cast, Free, Launch, Program, Role, Wait, storage_root
 from ..ir.holds import register_hold
 from ..ir.rewriter import Rewriter
-from .base import ModulePass, PassContext, PassResult, check_budget, register_pass
+from .base import ModulePass, PassContext, PassResult, check_budget, option, register_pass
 
 GIB = 1 << 30
 
@@ -40,6 +42,8 @@ OVER_CAP = register_hold("over peak cap", "unshard: keeping its forward replica 
 NO_FORWARD_REPLICA = register_hold("no forward replica", "unshard: no single forward gather of the same shard, "
                                                          "group and type whose replica the forward frees")
 BUCKETED = register_hold("bucketed", "unshard: it gathers a bucket; only single-parameter re-gathers are unsharded")
+NO_GAIN = register_hold("saves too little", "unshard: without this re-gather the simulated step would be shorter "
+                                           "by less than min-saved-ms (it is hidden already)")
 SHARD_WRITTEN = register_hold("shard written", "unshard: the shard is written in place, so the forward replica may "
                                                "differ from what the re-gather would read")
 
@@ -60,16 +64,21 @@ class Candidate:
 class Unshard(ModulePass):
     name = "unshard"
 
-    max_peak_gb: float = dataclasses.field(default=0.0, metadata={
-        "help": "cap on the simulated peak memory, in GiB (0: none; the input's peak plus "
-                "max-peak-increase-gb applies)"})
-    max_peak_increase_gb: float = dataclasses.field(default=0.0, metadata={
-        "help": "how far, in GiB, the simulated peak may rise over the input's (used when "
-                "max-peak-gb is 0, or when it is set too: the smaller cap wins)"})
+    max_peak_gb: float = option(0.0, "cap on the simulated peak memory, in GiB (0: none; the input's "
+                                     "peak plus max-peak-increase-gb applies)")
+    max_peak_increase_gb: float = option(0.0, "how far, in GiB, the simulated peak may rise over the input's "
+                                              "(used when max-peak-gb is 0, or with it: the smaller cap wins)")
+    min_saved_ms: float = option(0.0, "take a candidate only if it shortens the simulated step by at least "
+                                      "this many ms (0: every candidate that fits the cap; a hidden "
+                                      "re-gather then costs memory for no time)")
 
     def __post_init__(self):
         check_budget(self.name, "max-peak-gb", self.max_peak_gb)
         check_budget(self.name, "max-peak-increase-gb", self.max_peak_increase_gb)
+        if isinstance(self.min_saved_ms, bool) or not isinstance(self.min_saved_ms, (int, float)) \
+                or not math.isfinite(self.min_saved_ms) or self.min_saved_ms < 0:
+            raise ValueError(f"{self.name}: min-saved-ms must be a finite non-negative number of ms, "
+                             f"got {self.min_saved_ms!r}")
 
     def cap_bytes(self, input_peak: int) -> float:
         cap = self.max_peak_gb * GIB if self.max_peak_gb > 0 else float("inf")
@@ -96,6 +105,9 @@ class Unshard(ModulePass):
             after = simulate(trial, costs=costs)
             if after.peak_bytes > cap:
                 held[c.regather] = OVER_CAP
+                continue
+            if self.min_saved_ms > 0 and current.step_ms - after.step_ms < self.min_saved_ms:
+                held[c.regather] = NO_GAIN
                 continue
             bought[c.param] = {
                 "exposed_saved_ms": round(current.exposed_ms - after.exposed_ms, 6),
@@ -137,7 +149,7 @@ def unshard(program: Program, c: Candidate) -> Rewriter:
 def find_candidates(program: Program) -> tuple[list[Candidate], dict[str, str]]:
     """The re-gathers that can read their forward replica, and why each other one cannot
     (launch -> hold reason)."""
-    node, succ = program.graph._node, program.graph._succ
+    node, succ = program.node_data, program.successors
     pos = program.schedule.index
     launches = [op for op in program.ops() if isinstance(op, Launch)]
     frees = [op for op in program.ops() if isinstance(op, Free) and op.operands]

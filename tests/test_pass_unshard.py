@@ -143,3 +143,18 @@ def test_unsharded_graphs_are_bitwise_equal_on_two_ranks(scheduled):
             for a, b in zip(before, after):
                 assert torch.equal(a, b), f"{key} rank {rank}: unsharded graph differs"
     assert not torch.equal(results[0][0][0], results[1][0][0])  # the ranks saw different data
+
+
+def test_unshard_with_min_saved_ms_takes_only_what_shortens_the_step(default_programs):
+    # llama's re-gathers are all hidden under the default pipeline: unsharding buys no time
+    program = default_programs[("llama", None)].copy()
+    result = PassManager("unshard{max-peak-increase-gb=1.0,min-saved-ms=0.0001}").run(program)
+    stats = next(iter(result.stats().values()))
+    assert stats["unsharded"] == 0 and stats["saves too little"] > 0
+    assert stats["peak_after_bytes"] == stats["peak_before_bytes"]
+    # gpt's are exposed: each one taken shortened the step by at least the minimum
+    program = default_programs[("gpt", None)].copy()
+    result = PassManager("unshard{max-peak-increase-gb=1.0,min-saved-ms=0.0001}").run(program)
+    stats = next(iter(result.stats().values()))
+    assert stats["unsharded"] > 0
+    assert all(b["step_saved_ms"] >= 0.0001 for b in stats["bought"].values())
