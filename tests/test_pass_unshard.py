@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 import fxsched
@@ -95,14 +95,16 @@ def default_programs():
 
 
 @settings(max_examples=40, deadline=None)
+@example(case=("encoder", None), factor=1.5, increase=5e-324)  # an increase that rounds to 0 GiB
 @given(case=st.sampled_from(CASES), factor=st.floats(0.5, 1.6), increase=st.floats(0.0, 0.5))
 def test_unshard_never_exceeds_the_cap(default_programs, case, factor, increase):
     program = default_programs[case].copy()
     peak = simulate(program).peak_bytes
-    cap_gb = peak * factor / GIB
-    result = PassManager(f"unshard{{max-peak-gb={cap_gb!r},max-peak-increase-gb={increase * peak / GIB!r}}}").run(program)
+    cap_gb, increase_gb = peak * factor / GIB, increase * peak / GIB
+    result = PassManager(f"unshard{{max-peak-gb={cap_gb!r},max-peak-increase-gb={increase_gb!r}}}").run(program)
     after = simulate(program).peak_bytes
-    cap = min(cap_gb * GIB, peak + increase * peak) if increase > 0 else cap_gb * GIB
+    # both given: the smaller cap (an increase of 0 GiB is no increase cap)
+    cap = min(cap_gb * GIB, peak + increase_gb * GIB) if increase_gb > 0 else cap_gb * GIB
     assert after <= max(cap, peak)
     if peak <= cap:
         assert after <= cap
