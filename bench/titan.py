@@ -2,7 +2,7 @@
 graph_trainer traces it, then rematerialised as its default pass list does before FSDP scheduling.
 
 Used by the schedule benchmark (`bench_clients.py`) and by tests/test_torchtitan.py. What it
-takes to run on a CPU (see ../shared/TORCH-NOTES.md): the device mesh is built here
+takes to run on a CPU (each point checked by running it): the device mesh is built here
 (`init_device_mesh("cpu", ...)`; torchtitan's `ParallelDims` would pick "cuda"); attention is
 SDPA (FlexAttention has no backward on CPU); the memory policy is "full" (the default one marks
 CPU SDPA for recompute and rematerialisation then refuses it).
