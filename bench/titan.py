@@ -91,18 +91,35 @@ def rematerialise(traced, memory_policy: str = "full"):
     return traced
 
 
-def joint_bucketing(traced, layers: int):
+def joint_bucketing(traced, layers: int, *, reorder: bool = True):
     """graph_trainer's own FSDP scheduling pass on `traced.gm` (in place): per-block bucketing and
-    reordering of gathers and reduce-scatters, as `construct_default_graph_passes` configures it."""
-    from torchtitan.experiments.graph_trainer.common_utils import get_default_transformer_block_buckets
-    from torchtitan.experiments.graph_trainer.fsdp_passes import (get_fsdp_param_module_order,
+    reordering of gathers and reduce-scatters, as `construct_default_graph_passes` configures it.
+
+    `reorder=False` buckets only (its scheduler's bucketing step, without the reordering step that
+    prefetches each block's bucket under the block before): torchtitan's buckets, each where the
+    bucketer puts it, for a scheduler of one's own to order."""
+    from torchtitan.experiments.graph_trainer.common_utils import (_MODULE_FQN, _is_backward_node,
+                                                                   get_default_transformer_block_buckets)
+    from torchtitan.experiments.graph_trainer.fsdp_passes import (JointManualOverlapScheduler,
+                                                                  get_fsdp_param_module_order,
                                                                   joint_transformer_block_bucketing_reordering_pass)
 
     plans = get_default_transformer_block_buckets(layers, chunked_loss_enabled=False, moe_layer_ids=frozenset(),
                                                   split_moe_expert_buckets=False)
-    traced.gm = joint_transformer_block_bucketing_reordering_pass(
-        traced.gm, traced.example_inputs, module_bucket_plans=plans,
-        fsdp_param_module_order=get_fsdp_param_module_order(traced.state_fqns))
+    order = get_fsdp_param_module_order(traced.state_fqns)
+    if reorder:
+        traced.gm = joint_transformer_block_bucketing_reordering_pass(
+            traced.gm, traced.example_inputs, module_bucket_plans=plans, fsdp_param_module_order=order)
+        return traced
+
+    def stack(node):  # as joint_transformer_block_bucketing_reordering_pass gives it
+        fqn = node.meta.get("custom", {}).get(_MODULE_FQN)
+        return [(fqn, torch.nn.Module)] if fqn else []
+
+    scheduler = JointManualOverlapScheduler(traced.gm, plans, False, is_backward_fn=_is_backward_node,
+                                            module_stack_fn=stack, fsdp_param_module_order=order)
+    scheduler._manual_bucket_collectives()
+    traced.gm.recompile()
     return traced
 
 

@@ -11,15 +11,17 @@ graph (`make_fx_tracer.minimal_fx_tracer`) and runs a list of graph passes over 
 `registry.PASS_PIPELINE_REGISTRY` (`register_pass_pipeline`). `register()` adds a pipeline that is
 graph_trainer's default list (`construct_default_graph_passes`: cleanup, memory policy, activation
 rematerialisation, ..., Inductor regions, cudagraphs) with its FSDP scheduling pass,
-`joint_transformer_block_bucketing_reordering_pass`, replaced by `fxsched_pass(...)`.
+`joint_transformer_block_bucketing_reordering_pass`, replaced by `fxsched_pass(...)`
+(`register(keep_bucketing=True)`: kept, with `fxsched_pass` right after it, ordering its buckets).
 
 `fxsched_pass(...)` is a graph_trainer pass, `(gm, example_inputs) -> gm`. On the joint graph it
 recognises the untagged FSDP collectives (`lowering.structural`: gathers of parameter shards,
 re-gathers made by rematerialisation, gradient reduce-scatters with the casts that follow them),
 names each gather's parameter by its module FQN when the traced result is known, runs the
 fxsched pipeline (lower → passes → raise) and relinks the graph's own nodes into the new order,
-so the meta later passes read (module FQNs, SAC tags, `autograd_backward`) stays. It neither
-buckets nor changes the collectives: the order is all it changes, so the step computes the
+so the meta later passes read (module FQNs, SAC tags, `autograd_backward`) stays. Buckets that
+torchtitan's pass made are recognised as such (one launch per bucket, its members named by FQN).
+It neither buckets nor changes the collectives: the order is all it changes, so the step computes the
 same values bit for bit. Each run's record (`integrations.inductor.schedule_graph_in_place`) is
 appended to the pass's `runs` list.
 
@@ -79,8 +81,12 @@ def fxsched_pass(pipeline: str = DEFAULT_PIPELINE, *, cost_model: Any = None, na
         record = schedule_graph_in_place(gm.graph, pipeline, cost_model=cost_model, verify_each=verify_each)
         if names:
             for node in gm.graph.nodes:
-                if node.meta.get(tags.STRUCTURAL) and node.meta.get(tags.PARAM_NAME) in names:
+                if not node.meta.get(tags.STRUCTURAL):
+                    continue
+                if node.meta.get(tags.PARAM_NAME) in names:
                     node.meta[tags.PARAM_NAME] = names[node.meta[tags.PARAM_NAME]]
+                if isinstance(members := node.meta.get(tags.BUCKET_MEMBERS), list):  # a bucket torchtitan made
+                    node.meta[tags.BUCKET_MEMBERS] = [names.get(m, m) for m in members]
         runs.append(record)
         structural = record["structural"] or {}
         LOG.info("fxsched torchtitan pass: %d nodes: %d gathers and %d gradient reductions recognised, %d gathers "
@@ -94,16 +100,17 @@ def fxsched_pass(pipeline: str = DEFAULT_PIPELINE, *, cost_model: Any = None, na
 
 
 def replace_fsdp_scheduling(passes: Iterable[Callable], ours: Callable,
-                            replaced: Iterable[str] = FSDP_SCHEDULING_PASSES) -> list[Callable]:
+                            replaced: Iterable[str] = FSDP_SCHEDULING_PASSES, *, keep: bool = False) -> list[Callable]:
     """`passes` with the first FSDP scheduling pass replaced by `ours` and any other one dropped
-    (`ours` is appended before Inductor's passes' place when none was there)."""
+    (`ours` is appended before Inductor's passes' place when none was there). `keep`: the first
+    one stays and `ours` runs right after it (on the buckets it made)."""
     replaced = set(replaced)
     out: list[Callable] = []
     placed = False
     for fn in passes:
         if _pass_name(fn) in replaced:
             if not placed:
-                out.append(ours)
+                out += [fn, ours] if keep else [ours]
                 placed = True
             continue
         out.append(fn)
@@ -116,19 +123,22 @@ def replace_fsdp_scheduling(passes: Iterable[Callable], ours: Callable,
 
 def fxsched_pass_pipeline(traced_result: Any, config: Any, *, parallel_dims: Any = None,
                           pipeline: str = DEFAULT_PIPELINE, cost_model: Any = None,
-                          base: Callable | None = None) -> list[Callable]:
+                          base: Callable | None = None, keep_bucketing: bool = False) -> list[Callable]:
     """A graph_trainer pass pipeline: `base` (graph_trainer's `construct_default_graph_passes`
-    when None) with its FSDP scheduling pass replaced by `fxsched_pass`."""
+    when None) with its FSDP scheduling pass replaced by `fxsched_pass` (`keep_bucketing`: kept,
+    and `fxsched_pass` orders its buckets after it)."""
     if base is None:
         from torchtitan.experiments.graph_trainer.passes import construct_default_graph_passes as base
     ours = fxsched_pass(pipeline, cost_model=cost_model, names=param_names(traced_result))
-    return replace_fsdp_scheduling(base(traced_result, config, parallel_dims=parallel_dims), ours)
+    return replace_fsdp_scheduling(base(traced_result, config, parallel_dims=parallel_dims), ours, keep=keep_bucketing)
 
 
-def register(name: str = PIPELINE_NAME, pipeline: str = DEFAULT_PIPELINE, *, cost_model: Any = None) -> str:
+def register(name: str = PIPELINE_NAME, pipeline: str = DEFAULT_PIPELINE, *, cost_model: Any = None,
+             keep_bucketing: bool = False) -> str:
     """Register the fxsched pass pipeline with graph_trainer under `name` (`--compile.pass_pipeline NAME`)."""
     from torchtitan.experiments.graph_trainer.registry import register_pass_pipeline
 
     str(PassManager(pipeline))  # fail now on a bad pipeline
-    register_pass_pipeline(name)(functools.partial(fxsched_pass_pipeline, pipeline=pipeline, cost_model=cost_model))
+    register_pass_pipeline(name)(functools.partial(fxsched_pass_pipeline, pipeline=pipeline, cost_model=cost_model,
+                                                   keep_bucketing=keep_bucketing))
     return name

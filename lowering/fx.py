@@ -149,6 +149,10 @@ def _classify(op: str, target) -> _Target:
     short = name.rsplit(".", 1)[-1]
     module = (getattr(target, "__module__", None) or "") if call else ""
     may_copy = view and schema is not None and _composite(schema)
+    if schema is not None and schema.name == "aten::_unsafe_view":
+        # a view without the alias annotation (so autograd treats its result as fresh); what
+        # it does to storage is a view's: read it as one that may copy, decided by meta["val"]
+        view, may_copy = True, True
     if schema is None and (op == "call_method" or (call and module.split(".")[0] == "torch")):
         # a Python call (`x.view(...)`, `x.reshape(...)`, `torch.t(x)`): what aten's op of that name says
         view, may_copy = _python_view(short)
@@ -162,7 +166,7 @@ def _classify(op: str, target) -> _Target:
         schema=schema,
         collective=collective,
         wait=collective and schema.name.endswith("::wait_tensor"),
-        all_gather=schema is not None and schema.name.endswith("::all_gather_into_tensor"),
+        all_gather=schema is not None and schema.name.endswith(("::all_gather_into_tensor", "::all_gather_into_tensor_out")),
         view=view,
         may_copy=may_copy,
         written=written,
@@ -461,11 +465,14 @@ class _Lowering:
                 params, hold = (), NO_PARAMETER_NAME
         info = self.target(node)
         self.launches.add(node.name)
+        # an `_out` gather (a bucket gathered into its packed buffer) writes its out buffer
+        writes, alias, _ = self.writes(node, info)
+        self.launch_writes[node.name] = writes
         return Launch(target=target, group=_group(node, info), group_size=_group_size(node, info), role=role,
                       nbytes=_nbytes(node, self.notes),
                       params=params, bucket=bucket, hold=hold,
                       prefetched=tags.PREFETCH_ANCHOR in meta,  # moved by an earlier run
-                      **base)
+                      writes=writes, alias=alias, **base)
 
     def free(self, node: fx.Node, target: str, base: dict) -> Op:
         name = node.meta.get(tags.PARAM_NAME)

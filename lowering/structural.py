@@ -12,6 +12,15 @@ whose only user is a `wait_tensor`. It gets the tags lowering reads (docs/design
 `meta["val"]`; left out when unknown, so the budget holds the gather). A gather that already
 has a `comm_type` is left as it is. Everything not recognised is listed with the reason.
 
+A bucketed gather, as Inductor's and torchtitan's bucketing passes emit it, is recognised too:
+an `all_gather_into_tensor_out(narrow(buf), …, out=buf)` whose buffer is packed from shards
+(`bucketing._pre_bucket_all_gather(shards)`, or `copy_(narrow(buf), cat(shards))` into an `empty` one),
+or an `all_gather_into_tensor(cat(shards))` (HyperParallel's form, Inductor's functional mode),
+where every shard traces back to a floating graph input. It gets `fsdp_bucket_id` (the launch's
+name) and `fsdp_bucket_members` (the shards' graph inputs, in pack order) besides `comm_type`
+and the gathered buffer's size; the `aten.clone`s its wait reaches through views (one per member:
+the copy-outs) get `fsdp_bucket_copy_out`, so that they sink with the wait (ir: `copy_out`).
+
 A gradient reduction is a functional `reduce_scatter_tensor` (FSDP) or `all_reduce` (DDP, and
 HSDP's replicate step) whose only user is its `wait_tensor` and whose waited result reaches
 nothing but the graph output: through single-input casts, views, layout copies and scalar
@@ -45,7 +54,12 @@ __all__ = ["STRUCTURAL_TAG", "StructuralGather", "StructuralReduction", "Structu
 #: set to True on the gathers this stage tagged (so the tags can be told apart, or removed)
 STRUCTURAL_TAG = tags.STRUCTURAL
 REDUCTION_TAG = tags.GRADIENT_REDUCTION  # the kind of a recognised gradient reduction
-_TAG_KEYS = (tags.COMM_TYPE, tags.PARAM_NAME, tags.UNSHARDED_NBYTES, REDUCTION_TAG, STRUCTURAL_TAG)
+_TAG_KEYS = (tags.COMM_TYPE, tags.PARAM_NAME, tags.UNSHARDED_NBYTES, REDUCTION_TAG, tags.BUCKET_ID,
+             tags.BUCKET_MEMBERS, tags.BUCKET_COPY_OUT, STRUCTURAL_TAG)
+_GATHERS = ("all_gather_into_tensor", "all_gather_into_tensor_out")
+_PRE_BUCKET_GATHER = "bucketing::_pre_bucket_all_gather"  # Inductor's custom-op pack of a bucket (its first argument: the shards)
+_CAT = "aten::cat"
+_EMPTY = ("aten::empty", "aten::empty_strided", "aten::new_empty")
 _REDUCTIONS = ("reduce_scatter_tensor", "all_reduce")
 _CASTS = {"prims::convert_element_type", "aten::_to_copy", "aten::to"}
 # single-input ops that re-lay out a shard without changing what it holds, though their schema
@@ -66,9 +80,16 @@ class StructuralGather:
     phase: str
     nbytes: int | None
     path: tuple[str, ...]  # the casts/views between the graph input and the gather, input first
+    members: tuple[str, ...] = ()  # a bucket's graph inputs, in pack order (empty: not a bucket)
+    copy_outs: tuple[str, ...] = ()  # a bucket's clones that copy its members out of the gathered buffer
+
+    @property
+    def bucket(self) -> str | None:
+        return self.launch if self.members else None
 
     def as_dict(self) -> dict[str, Any]:
-        return attrs.asdict(self, recurse=False) | {"path": list(self.path)}
+        return attrs.asdict(self, recurse=False) | {"path": list(self.path), "members": list(self.members),
+                                                    "copy_outs": list(self.copy_outs)}
 
 
 @attrs.frozen
@@ -101,6 +122,11 @@ class StructuralResult:
                  f"reductions tagged, {len(self.skipped)} skipped"]
         for g in self.tagged:
             via = "".join(f" → %{p}" for p in g.path)
+            if g.members:
+                lines.append(f"  %{g.launch}: {g.phase} bucketed gather of {', '.join('%' + m for m in g.members)}, "
+                             f"{'size unknown' if g.nbytes is None else f'{g.nbytes} bytes'}, "
+                             f"{len(g.copy_outs)} copy-outs")
+                continue
             lines.append(f"  %{g.launch}: {g.phase} gather of %{g.param_name}{via}, "
                          f"{'size unknown' if g.nbytes is None else f'{g.nbytes} bytes'}")
         for r in self.reductions:
@@ -209,7 +235,7 @@ def find_fsdp_gathers(graph: fx.Graph | fx.GraphModule, *, phase: str | None = N
     groups = _check_args(phase, groups)
     graph = graph.graph if isinstance(graph, fx.GraphModule) else graph
     for node in graph.nodes:
-        if not _is_collective(node, "all_gather_into_tensor"):
+        if not any(_is_collective(node, op) for op in _GATHERS):
             continue
         if node.meta.get(tags.COMM_TYPE) is not None and not node.meta.get(STRUCTURAL_TAG):
             yield node, None, f"already tagged comm_type={node.meta[tags.COMM_TYPE]!r}"
@@ -225,18 +251,107 @@ def find_fsdp_gathers(graph: fx.Graph | fx.GraphModule, *, phase: str | None = N
         if not isinstance(shard, fx.Node):
             yield node, None, "its input is not a graph value"
             continue
+        shards, why = _bucket_shards(node, shard)
+        if why is not None:
+            yield node, None, why
+            continue
+        if shards is not None:  # a bucket: every packed shard is a parameter's
+            members = []
+            for piece in shards:
+                source, _, stop = _trace_to_input(piece) if isinstance(piece, fx.Node) else (None, [], piece)
+                if source is None:
+                    yield node, None, (f"bucket member %{getattr(stop, 'name', stop)} does not trace back to a graph "
+                                       "input through single-input casts/views")
+                    break
+                if (why := _not_a_parameter(source)) is not None:
+                    yield node, None, "bucket member " + why
+                    break
+                members.append(source.name)
+            else:
+                yield node, StructuralGather(launch=node.name, wait=users[0].name, param_name=node.name,
+                                             phase=_phase(node, phase), nbytes=_nbytes(node), path=(),
+                                             members=tuple(members), copy_outs=tuple(_copy_outs(users[0]))), None
+            continue
         source, path, stop = _trace_to_input(shard)
         if source is None:
             yield node, None, (f"its input does not trace back to a graph input through single-input "
                                f"casts/views (stopped at %{stop.name}, {stop.op} {stop.target})")
             continue
-        value = source.meta.get("val")
-        if isinstance(value, torch.Tensor) and not (value.dtype.is_floating_point or value.dtype.is_complex):
-            yield node, None, f"its graph input %{source.name} holds {value.dtype}, not a parameter's values"
+        if (why := _not_a_parameter(source)) is not None:
+            yield node, None, "its " + why
             continue
         yield node, StructuralGather(launch=node.name, wait=users[0].name, param_name=source.name,
                                      phase=_phase(node, phase), nbytes=_nbytes(node),
                                      path=tuple(p.name for p in path)), None
+
+
+def _not_a_parameter(source: fx.Node) -> str | None:
+    value = source.meta.get("val")
+    if isinstance(value, torch.Tensor) and not (value.dtype.is_floating_point or value.dtype.is_complex):
+        return f"graph input %{source.name} holds {value.dtype}, not a parameter's values"
+    return None
+
+
+def _views_of(node: fx.Node) -> list[fx.Node]:
+    """`node` and every single-input view (by schema, or getitem) of it, transitively."""
+    found, stack = [node], [node]
+    while stack:
+        for user in stack.pop().users:
+            if user not in found and _is_view(user):
+                found.append(user)
+                stack.append(user)
+    return found
+
+
+def _is_view(node: fx.Node) -> bool:
+    if node.op != "call_function" or len(node.all_input_nodes) != 1:
+        return False
+    if node.target is operator.getitem:
+        return True
+    name = _schema_name(node)
+    if name == "aten::_unsafe_view":
+        return True
+    if name is None:
+        return False
+    schema = node.target._schema
+    return (not schema.is_mutable and bool(schema.returns) and schema.returns[0].alias_info is not None
+            and not schema.returns[0].alias_info.is_write)
+
+
+def _bucket_shards(launch: fx.Node, shard: fx.Node) -> tuple[list | None, str | None]:
+    """A bucketed gather's packed shards (None: not a bucket), or why it is neither a bucket nor a
+    plain gather. Forms (Inductor's bucketing.py, torchtitan's joint pass): `cat(shards)` gathered;
+    `_out` into a buffer packed by `_pre_bucket_all_gather(shards)`, or from `copy_(narrow(buf), cat(shards))`
+    into `buf = empty(...)`."""
+    out = launch.kwargs.get("out")
+    if _schema_name(shard) == _CAT and not isinstance(out, fx.Node):
+        return list(shard.args[0]), None
+    if not isinstance(out, fx.Node):
+        return None, None  # a plain gather: its input is traced as a shard
+    if _schema_name(out) == _PRE_BUCKET_GATHER:
+        return list(out.args[0]) if out.args else list(out.kwargs.get("ag_ins", ())), None
+    if _schema_name(shard) == _CAT:  # functional mode: the packed input, gathered into a fresh buffer
+        return list(shard.args[0]), None
+    if (_schema_name(out) in _EMPTY and _schema_name(shard) == "aten::copy_" and shard.args[0] in _views_of(out)
+            and isinstance(cat := shard.args[1], fx.Node) and _schema_name(cat) == _CAT):
+        return list(cat.args[0]), None  # default mode: the input is copy_(narrow(buf), cat(shards))
+    return None, f"its out buffer %{out.name} ({out.target}) is not a bucket's packed buffer"
+
+
+def _copy_outs(wait: fx.Node) -> list[fx.Node]:
+    """The `aten.clone`s the wait's result reaches through views: a bucket's per-member copy-outs."""
+    clones, stack, seen = [], [wait], {wait}
+    while stack:
+        for user in stack.pop().users:
+            if user in seen:
+                continue
+            seen.add(user)
+            if user.op == "call_function" and user.target is torch.ops.aten.clone.default:
+                clones.append(user)
+            elif _is_view(user):
+                stack.append(user)
+    position = {n: i for i, n in enumerate(wait.graph.nodes)} if clones else {}
+    return [c.name for c in sorted(clones, key=position.__getitem__)]
 
 
 def _reduction_kind(node: fx.Node) -> str | None:
@@ -327,6 +442,7 @@ def tag_fsdp_collectives(graph: fx.Graph | fx.GraphModule, *, phase: str | None 
                 continue
             node.meta.update({tags.COMM_TYPE: REDUCE_SCATTER_TAG, REDUCTION_TAG: found.kind, STRUCTURAL_TAG: True})
             result.reductions.append(found)
+    by_name = {n.name: n for n in graph.nodes}
     for node, gather, reason in list(find_fsdp_gathers(graph, phase=phase, groups=groups)):
         if gather is None:
             result.skipped.append((node.name, reason))
@@ -334,6 +450,13 @@ def tag_fsdp_collectives(graph: fx.Graph | fx.GraphModule, *, phase: str | None 
         meta = node.meta
         meta[tags.COMM_TYPE] = tags.ALL_GATHER_BACKWARD if gather.phase == "backward" else tags.ALL_GATHER
         meta[tags.PARAM_NAME] = gather.param_name
+        if gather.members:
+            meta[tags.BUCKET_ID] = gather.bucket
+            meta[tags.BUCKET_MEMBERS] = list(gather.members)
+            for clone in gather.copy_outs:
+                copy_meta = by_name[clone].meta
+                copy_meta[tags.BUCKET_COPY_OUT] = gather.bucket
+                copy_meta[STRUCTURAL_TAG] = True
         if gather.nbytes is None:
             meta.pop(tags.UNSHARDED_NBYTES, None)
         else:
@@ -351,7 +474,7 @@ def untag_fsdp_gathers(graph: fx.Graph | fx.GraphModule) -> int:
     count = 0
     for node in graph.nodes:
         if node.meta.get(STRUCTURAL_TAG):
+            count += tags.COMM_TYPE in node.meta  # a bucket's copy-outs carry tags too: not counted
             for key in _TAG_KEYS:
                 node.meta.pop(key, None)
-            count += 1
     return count

@@ -116,6 +116,30 @@ def test_other_collectives_on_the_stream_are_worked_around():
     assert program.op("a2").anchor == "c2"
 
 
+def test_collectives_of_another_group_run_on_their_own_stream():
+    # the same reduce-scatter on its own process group (graph_trainer's reassign_collective_pgs_pass)
+    # runs on its own stream: the gather need not work around it and launches at 4 ms, before c5
+    text = dedent('''
+        %x = input
+        %w2 = input
+        ^entry
+        %c1 = compute "c"(%x)
+        %c2 = compute "c"(%c1)
+        %c3 = compute "c"(%c2)
+        %rs = launch "rs"(%c3) {group = "rs", role = fsdp_reduce_scatter}
+        %rw = wait(%rs)
+        %c4 = compute "c"(%c3)
+        %c5 = compute "c"(%c4)
+        %c6 = compute "c"(%c5)
+        %a2 = launch "ag"(%w2) {group = "0", role = fsdp_all_gather, nbytes = 1000, params = ["w2"]}
+        %t2 = wait(%a2)
+        %m2 = compute "mm"(%c6, %t2)
+        %output = output(%m2, %rw)
+    ''')
+    program, _ = run(text, "hide,budget,prefetch,sink")
+    assert program.op("a2").anchor == "c5"
+
+
 def test_budget_still_applies_after_hide():
     program, stats = run(TWO_GATHERS.replace("nbytes = 1000", "nbytes = 2000000000"), "hide,budget{max-in-flight-gb=1.0},prefetch,sink")
     assert program.op("a2").hold == "over budget" and not program.op("a2").prefetched
