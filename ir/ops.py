@@ -203,6 +203,8 @@ class Launch(Op):
     nbytes: int | None = None
     params: tuple[str, ...] = attrs.field(default=(), converter=tuple)
     bucket: str | None = None
+    #: a reduction's operator (`"sum"`, `"avg"`: a reduce-scatter's or all-reduce's `reduce_op`)
+    reduce_op: str | None = None
     anchor: str | None = None
     hold: str | None = None
     prefetched: bool = False

@@ -13,6 +13,17 @@ write and to check as a reorder-only one:
   ordered before every successor by an effect edge, so whatever the erased op ordered stays
   ordered (an erased free's readers stay ahead of the gather that followed it).
 
+A pass that replaces ops by new ones (a bucket for several gathers) also has:
+
+- `inherit(old, new)`: `new` takes over `old`'s effect edges (what had to run before `old`
+  runs before `new`, and after it, after it), refused if the schedule breaks one of them: this
+  is where "never across an effect edge" is decided;
+- `hoist(name, before=target)`: move an op earlier, refused if one of its predecessors is not
+  scheduled before `target`.
+
+A created op's payload is a `Call` (plain data: a torch op by its IR target name, arguments
+with `Operand(i)` for its operands), which raising turns into an FX node.
+
 Edges are handled generically — whatever rule made them — so the rewriter does not depend on
 how effects were derived. The rewriter keeps the schedule a permutation of the nodes; the
 pass manager fully re-verifies after a pass that is not `reorders_only`.
@@ -29,6 +40,26 @@ from .program import DATA, EFFECT, Program, Schedule
 
 class RewriteError(ValueError):
     """A rewrite that would leave the program invalid (a dangling use, a use before its producer)."""
+
+
+@attrs.frozen
+class Operand:
+    """In a `Call`'s arguments: the created op's operand number `index` (its FX value when raised)."""
+
+    index: int
+
+
+@attrs.frozen
+class Call:
+    """What raising builds a created op's FX node from: a call of the torch op the IR names
+    `target` (`"aten.cat.default"`, `"_c10d_functional.all_gather_into_tensor.default"`) with
+    `args` and `kwargs`, where `Operand(i)` stands for the op's operand i (also inside lists).
+    Plain data: a pass describes the call without touching FX. Raising writes the node's tags
+    from the op itself (phase, a launch's role, parameters and bucket, a copy-out's bucket)."""
+
+    target: str
+    args: tuple = attrs.field(default=(), converter=tuple)
+    kwargs: dict = attrs.field(factory=dict, hash=False)
 
 
 class Rewriter:
@@ -57,10 +88,58 @@ class Rewriter:
                 raise RewriteError(f"create(%{op.name}): operand %{operand} is not scheduled before %{before}")
         program.add(op)
         program.schedule = _inserted(program.schedule, op.name, before)
+        try:  # its reads of existing storage keep their order with that storage's writes and free
+            edges = [e for operand in dict.fromkeys(op.operands) for e in self._storage_order([op.name], operand)]
+        except RewriteError:
+            program.graph.remove_node(op.name)
+            program.schedule = _removed(program.schedule, op.name)
+            raise
+        for first, then, why in edges:
+            program.add_effect(first, then, why)
         if payload is not None:
             program.payload[op.name] = payload
         self.created += 1
         return op
+
+    # ---- take over an op's order ---------------------------------------------------------
+    def inherit(self, old: str, new: str, *, skip: set[str] = frozenset()) -> None:
+        """Give `new` every effect edge of `old` (not those to or from `skip`: the ops merged
+        with it). Raises RewriteError, changing nothing, if the schedule breaks one: `new`
+        would run before something `old` had to follow, or after something that had to follow it."""
+        program = self.program
+        graph = program.graph
+        pos = program.schedule.index
+        at = pos(new)
+        preds = [(p, e["why"]) for p, e in graph.pred[old].items()
+                 if e["kind"] == EFFECT and p not in skip and p != new]
+        succs = [(s, e["why"]) for s, e in graph.succ[old].items()
+                 if e["kind"] == EFFECT and s not in skip and s != new]
+        for p, why in preds:
+            if pos(p) >= at:
+                raise RewriteError(f"%{new} would run before %{p}, which %{old} follows ({why})")
+        for s, why in succs:
+            if pos(s) <= at:
+                raise RewriteError(f"%{new} would run after %{s}, which follows %{old} ({why})")
+        for p, why in preds:
+            program.add_effect(p, new, why)
+        for s, why in succs:
+            program.add_effect(new, s, why)
+
+    # ---- move ---------------------------------------------------------------------------
+    def hoist(self, name: str, *, before: str) -> None:
+        """Move `name` earlier, to just before `before`; refused (RewriteError) if one of its
+        predecessors (data or effect) is not scheduled before `before`."""
+        program = self.program
+        pos = program.schedule.index
+        if not program.op(name).MOVABLE:
+            raise RewriteError(f"hoist(%{name}): {program.op(name).KIND} ops do not move")
+        if pos(name) < pos(before):
+            return
+        for p, e in program.graph.pred[name].items():
+            if pos(p) >= pos(before):
+                why = e["why"] if e["kind"] == EFFECT else "operand"
+                raise RewriteError(f"hoist(%{name}) before %{before}: it follows %{p} ({why})")
+        program.schedule.move_before([name], before)
 
     # ---- replace ----------------------------------------------------------------------
     def replace_uses(self, old: str, new: str, *, only: set[str] | None = None) -> list[str]:

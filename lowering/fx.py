@@ -437,7 +437,7 @@ class _Lowering:
         self.launches.add(node.name)
         self.launch_writes[node.name] = writes
         return Launch(target=target, group=group, group_size=_group_size(node, info), role=role, writes=writes,
-                      alias=alias, **base)
+                      alias=alias, reduce_op=_reduce_op(node, info), **base)
 
     def gather(self, node: fx.Node, target: str, role: Role, base: dict) -> Launch:
         users = list(node.users)
@@ -498,6 +498,16 @@ def _group(node: fx.Node, info: _Target) -> str | None:
         return str(node.args[info.group_at])
     value = node.kwargs.get("group_name")
     return None if value is None else str(value)
+
+
+def _reduce_op(node: fx.Node, info: _Target) -> str | None:
+    """The `reduce_op` argument of a functional reduction (reduce_scatter_tensor, all_reduce), if a string."""
+    arguments = [a.name for a in info.schema.arguments] if info.schema is not None else []
+    if "reduce_op" not in arguments:
+        return None
+    at = arguments.index("reduce_op")
+    value = node.args[at] if at < len(node.args) else node.kwargs.get("reduce_op")
+    return value if isinstance(value, str) else None
 
 
 def _group_size(node: fx.Node, info: _Target) -> int | None:

@@ -18,8 +18,11 @@ try:  # torch-internal; without it, fall back to an eager recompile
 except ImportError:  # pragma: no cover
     _GraphModule = fx.GraphModule
 
-from ..ir import Marker, Program
+import torch
+
+from ..ir import CopyOut, Launch, Marker, Phase, Program, tags
 from ..ir.gcpause import gc_paused
+from ..ir.rewriter import Call, Operand
 
 
 class RaisingError(ValueError):
@@ -29,7 +32,8 @@ class RaisingError(ValueError):
 def raise_program(program: Program, *, lint: bool = True) -> fx.GraphModule:
     """Copy each lowered FX node into a new graph in schedule order; markers vanish, and so do
     ops a rewriting pass erased. An op whose operands a pass replaced (ir/rewriter.py) reads
-    its new operands' nodes: lowering made the operands from the node's inputs, in order."""
+    its new operands' nodes: lowering made the operands from the node's inputs, in order. An
+    op a pass created is built from its `Call` (see `_build`)."""
     with gc_paused():
         return _raise(program, lint)
 
@@ -72,6 +76,9 @@ def _scheduled_nodes(program: Program) -> list[fx.Node]:
     order = []
     for name in program.schedule:
         node = payload.get(name)
+        if isinstance(node, Call):
+            raise RaisingError(f"%{name} was created by a pass: it has no FX node to reorder in place "
+                               "(raise a copy with raise_program)")
         if node is None:
             op = nodes[name]["op"]
             if isinstance(op, Marker):
@@ -88,12 +95,25 @@ def _raise(program: Program, lint: bool) -> fx.GraphModule:
     env: dict[fx.Node, fx.Node] = {}
     create, remap = graph.create_node, env.__getitem__
     ops, payload = program.graph._node, program.payload
-    for node in _scheduled_nodes(program):
+    made: dict[str, fx.Node] = {}  # the nodes of ops a pass created, by name
+
+    def value(name: str) -> fx.Node:
+        return made[name] if name in made else env[payload[name]]
+
+    for name in program.schedule:
+        node = payload.get(name)
+        if isinstance(node, Call):
+            made[name] = _build(graph, ops[name]["op"], node, value)
+            continue
+        if node is None:
+            if isinstance(ops[name]["op"], Marker):
+                continue
+            raise RaisingError(f"%{name} ({ops[name]['op'].KIND}) has no FX node to raise from")
         inputs, operands = node.all_input_nodes, ops[node.name]["op"].operands
         mapper = remap
         if len(inputs) != len(operands) or any(o != n.name for o, n in zip(operands, inputs)):
             # a rewriting pass changed what it reads: each FX input maps to its operand's node
-            mapper = dict(zip(inputs, (env[payload[o]] for o in operands))).__getitem__
+            mapper = dict(zip(inputs, (value(o) for o in operands))).__getitem__
         # Graph.node_copy, less its `copy.meta = ...`: assigning an attribute of a node already in
         # the graph goes through Node.__setattr__, which takes it out of the graph's lookup table
         # and puts it back (a tenth of raising); filling the new node's empty meta dict is the same copy
@@ -107,3 +127,58 @@ def _raise(program: Program, lint: bool) -> fx.GraphModule:
     if lint:
         graph.lint()
     return gm
+
+
+def _build(graph: fx.Graph, op, call: Call, value) -> fx.Node:
+    """The FX node of an op a pass created: `call`'s torch op on the op's operands' nodes,
+    named as the op, tagged as lowering would read it back (so the raised graph lowers to the
+    same program), with a fake `val` computed from its inputs' when they have them."""
+    target = _torch_op(call.target)
+    operands = op.operands
+
+    def arg(a):
+        if isinstance(a, Operand):
+            return value(operands[a.index])
+        if isinstance(a, (list, tuple)):
+            return type(a)(arg(x) for x in a)
+        return a
+
+    args, kwargs = arg(tuple(call.args)), {k: arg(v) for k, v in call.kwargs.items()}
+    node = graph.create_node("call_function", target, args, kwargs, op.name)
+    node.meta.update(_tags(op))
+    vals = [n.meta.get("val") for n in node.all_input_nodes]
+    fake = next((getattr(v, "fake_mode", None) for v in vals if getattr(v, "fake_mode", None) is not None), None)
+    if fake is not None and all(isinstance(v, torch.Tensor) for v in vals):
+        with fake:
+            node.meta["val"] = target(*fx.map_arg(args, lambda n: n.meta["val"]),
+                                      **fx.map_arg(kwargs, lambda n: n.meta["val"]))
+    return node
+
+
+def _torch_op(name: str):
+    """The torch op an IR target names: `aten.cat.default` is torch.ops.aten.cat.default."""
+    namespace, *rest = name.split(".")
+    found = getattr(torch.ops, namespace)
+    try:
+        for part in rest:
+            found = getattr(found, part)
+    except AttributeError as exc:
+        raise RaisingError(f"no torch op {name!r} to build a created op from") from exc
+    return found
+
+
+def _tags(op) -> dict:
+    """The `node.meta` tags lowering reads an op of this kind from (docs/design.md)."""
+    meta = {tags.AUTOGRAD_BACKWARD: op.phase is Phase.BACKWARD}
+    if isinstance(op, Launch) and op.role is not None:
+        meta[tags.COMM_TYPE] = op.role.value
+        if op.is_gather and op.nbytes is not None:
+            meta[tags.UNSHARDED_NBYTES] = op.nbytes
+        if op.bucket is not None:
+            meta.update({tags.PARAM_NAME: op.bucket, tags.BUCKET_ID: op.bucket,
+                         tags.BUCKET_MEMBERS: list(op.params)})
+        elif len(op.params) == 1:
+            meta[tags.PARAM_NAME] = op.params[0]
+    elif isinstance(op, CopyOut):
+        meta[tags.BUCKET_COPY_OUT] = op.bucket
+    return meta

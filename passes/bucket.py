@@ -1,0 +1,365 @@
+"""bucket: merges gathers launched close together on one stream into one collective, and likewise gradient reduce-scatters.
+
+A gather bucket packs its members' shards into one buffer (`cat`), gathers it once and copies
+each member out of the result: the gathered buffer is rank-major (rank 0's packed shards, then
+rank 1's, ...), so it is viewed as [ranks, packed], each member's column band is cloned into a
+contiguous [ranks, shard] tensor and flattened, which is exactly what the member's own gather
+returned. A reduce-scatter bucket views each gradient as [ranks, shard], concatenates them along
+the shard dimension (row r: every member's chunk for rank r, in member order), reduce-scatters
+the flattened result once, and each member reads its slice of the reduced chunk, exactly what
+its own reduce-scatter returned.
+
+Members: launches of one stream (process group and size), phase and kind (forward gathers,
+re-gathers, or reduce-scatters of one reduce op) and dtype, in schedule order; buckets made by
+an FSDP pass (a launch with a `bucket`) are kept as they are and never merged. A gather bucket
+launches where its first member did, a reduce-scatter bucket where its last did; one wait goes
+where the first member was waited, and its copy-outs (gathers) or slices (reduce-scatters)
+replace the members' waits there. Each new op takes over its members' effect edges through the
+rewriter, which refuses a bucket that would cross one (a free, a barrier, the phase boundary,
+a member's input not ready yet): that member is held with `bucket effect edge`.
+
+Buckets are chosen greedily, in schedule order per stream: a bucket grows by the next member
+while the simulated step (cost/simulate.py: latency saved, overlap lost, the pack and copy ops
+on the compute stream) gets shorter by more than `min-saved-ms`, the bucket stays within
+`max-bucket-mb`, the gathered bytes in flight within `max-in-flight-gb` (or the input's, if
+higher), and the simulated peak memory within the cap (`max-peak-gb`, or the input's peak plus
+`max-peak-increase-gb`; the smaller when both: unshard's semantics, in `peak_cap`). A launch
+that could not join says why in the statistics and, when its launch has no reason yet, in its
+`hold`. Run it after the scheduling passes (`default,bucket`) so the cost model sees the final
+order.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections import Counter
+
+import attrs
+
+from ..cost.model import CostAnalysis
+from ..cost.simulate import Simulation, simulate
+from ..ir import DATA, Cast, Compute, CopyOut, Launch, Phase, Program, Role, TensorType, View, Wait, holds
+from ..ir.holds import register_hold
+from ..ir.rewriter import Call, Operand, RewriteError, Rewriter
+from .base import ModulePass, PassContext, PassResult, check_budget, option, register_pass
+
+GIB = 1 << 30
+MIB = 1 << 20
+
+EFFECT_EDGE = register_hold("bucket effect edge", "bucket: joining the bucket before it would move its launch or "
+                                                  "wait across an effect edge (a free, a barrier, the phase "
+                                                  "boundary, or its input is not ready where the bucket launches)")
+OVER_SIZE = register_hold("over bucket size", "bucket: the bucket before it would grow past max-bucket-mb")
+OVER_CAP = register_hold("bucket over peak cap", "bucket: joining the bucket before it would raise the simulated "
+                                                 "peak memory over the cap (max-peak-gb, max-peak-increase-gb)")
+NO_GAIN = register_hold("bucket saves too little", "bucket: joining the bucket before it would not shorten the "
+                                                   "simulated step by more than min-saved-ms")
+NOT_PACKABLE = register_hold("not packable", "bucket: its shard and result are not flat tensors of known size "
+                                             "(or not a functional all-gather / reduce-scatter with one wait)")
+
+GATHER_OP = "all_gather_into_tensor.default"
+REDUCE_SCATTER_OP = "reduce_scatter_tensor.default"
+WAIT_OP = "wait_tensor.default"
+
+
+@attrs.frozen
+class Member:
+    launch: str
+    wait: str
+    source: str        # what it gathers or reduces (its one operand)
+    cast: str | None   # a gather's private cast of its shard, hoisted with it
+    numel: int         # its shard's elements (a gather's input, a reduce-scatter's output)
+    nbytes: int        # the collective's bytes (gathered output, reduce-scatter input)
+
+
+@register_pass
+@dataclasses.dataclass(frozen=True)
+class Bucket(ModulePass):
+    name = "bucket"
+
+    max_bucket_mb: float = option(256.0, "most MiB one bucket may gather (gathered bytes) or reduce (input bytes)")
+    max_in_flight_gb: float = option(1.0, "most gathered GiB in flight (launched, not yet waited) in the simulated "
+                                          "step, or the input's when that is more")
+    max_peak_gb: float = option(0.0, "cap on the simulated peak memory, in GiB (0: none; the input's peak plus "
+                                     "max-peak-increase-gb applies)")
+    max_peak_increase_gb: float = option(0.0, "how far, in GiB, the simulated peak may rise over the input's "
+                                              "(used when max-peak-gb is 0, or with it: the smaller cap wins)")
+    min_saved_ms: float = option(0.0, "a bucket grows only while each member shortens the simulated step by more "
+                                      "than this many ms")
+    gathers: bool = option(True, "bucket parameter all-gathers")
+    reduce_scatters: bool = option(True, "bucket gradient reduce-scatters")
+
+    def __post_init__(self):
+        for field in ("max-bucket-mb", "max-in-flight-gb", "max-peak-gb", "max-peak-increase-gb"):
+            check_budget(self.name, field, getattr(self, field.replace("-", "_")))
+        if isinstance(self.min_saved_ms, bool) or not isinstance(self.min_saved_ms, (int, float)) \
+                or not math.isfinite(self.min_saved_ms) or self.min_saved_ms < 0:
+            raise ValueError(f"{self.name}: min-saved-ms must be a finite non-negative number of ms, "
+                             f"got {self.min_saved_ms!r}")
+
+    def peak_cap(self, input_peak: int) -> float:
+        """The simulated peak memory a bucket may reach (unshard's `cap_bytes` semantics); the one
+        place the cap is decided, so a pipeline-wide cap can take over here."""
+        cap = self.max_peak_gb * GIB if self.max_peak_gb > 0 else float("inf")
+        if self.max_peak_gb == 0 or self.max_peak_increase_gb > 0:
+            cap = min(cap, input_peak + self.max_peak_increase_gb * GIB)
+        return cap
+
+    def apply(self, ctx: PassContext, program: Program) -> PassResult:
+        analysis = ctx.get(CostAnalysis, program)
+        costs = dict(analysis.ms)
+        before = current = simulate(program, costs=costs)
+        cap = self.peak_cap(before.peak_bytes)
+        inflight_cap = max(self.max_in_flight_gb * GIB, before.max_inflight_bytes)
+        held: dict[str, str] = {}
+        bought: dict[str, dict] = {}
+        kinds = [k for k, on in (("gather", self.gathers), ("reduce-scatter", self.reduce_scatters)) if on]
+        for kind in kinds:
+            runs, not_packable = _runs(program, kind)
+            held.update(dict.fromkeys(not_packable, NOT_PACKABLE))
+            for run in runs:
+                start = 0
+                while start < len(run):
+                    members, best, end = [run[start]], None, start + 1
+                    while end < len(run):
+                        trial_members = members + [run[end]]
+                        if sum(m.nbytes for m in trial_members) > self.max_bucket_mb * MIB:
+                            held[run[end].launch] = OVER_SIZE
+                            break
+                        trial = program.copy()
+                        try:
+                            created = merge(trial, trial_members, kind, _fresh_name(trial, kind))
+                        except RewriteError:
+                            held[run[end].launch] = EFFECT_EDGE
+                            break
+                        trial_costs = dict(costs)
+                        trial_costs.update({n: analysis.model.op_ms(trial.op(n), trial) for n in created})
+                        sim = simulate(trial, costs=trial_costs)
+                        reason = self.refusal(sim, (best or (None, current))[1], cap, inflight_cap)
+                        if reason is not None:
+                            held[run[end].launch] = reason
+                            break
+                        members, best = trial_members, (trial, sim, trial_costs, created)
+                        end += 1
+                    if best is not None:
+                        trial, sim, costs, created = best
+                        bucket = next(trial.op(n) for n in created if isinstance(trial.op(n), Launch))
+                        bought[bucket.name] = {
+                            "kind": kind, "members": [m.launch for m in members],
+                            "bytes": sum(m.nbytes for m in members),
+                            "step_saved_ms": round(current.step_ms - sim.step_ms, 6),
+                            "peak_change_bytes": sim.peak_bytes - current.peak_bytes,
+                        }
+                        for m in members:
+                            held.pop(m.launch, None)
+                        program.graph, program.schedule, program.payload = trial.graph, trial.schedule, trial.payload
+                        current = sim
+                    start = end
+
+        for launch, reason in held.items():
+            if launch in program.graph:
+                op = program.op(launch)
+                if op.is_gather and op.hold is None:
+                    program.replace(attrs.evolve(op, hold=reason))
+        stats = {
+            "buckets": len(bought),
+            "gathers bucketed": sum(len(b["members"]) for b in bought.values() if b["kind"] == "gather"),
+            "reduce-scatters bucketed": sum(len(b["members"]) for b in bought.values() if b["kind"] != "gather"),
+            **Counter(held[n] for n in held if n in program.graph),
+            "peak_before_bytes": before.peak_bytes, "peak_after_bytes": current.peak_bytes,
+            "cap_bytes": cap if cap != float("inf") else None,
+            "step_before_ms": round(before.step_ms, 6), "step_after_ms": round(current.step_ms, 6),
+            "exposed_before_ms": round(before.exposed_ms, 6), "exposed_after_ms": round(current.exposed_ms, 6),
+            "bought": bought,
+        }
+        return PassResult(bool(bought), stats)
+
+    def refusal(self, sim: Simulation, without: Simulation, cap: float, inflight_cap: float) -> str | None:
+        """Why a bucket simulated as `sim` is not taken over `without` (None: it is)."""
+        if sim.peak_bytes > cap:
+            return OVER_CAP
+        if sim.max_inflight_bytes > inflight_cap:
+            return holds.OVER_BUDGET
+        if not sim.step_ms < without.step_ms - self.min_saved_ms:
+            return NO_GAIN
+        return None
+
+
+# ---- candidates --------------------------------------------------------------------------
+
+def _runs(program: Program, kind: str) -> tuple[list[list[Member]], list[str]]:
+    """The launches that may share a bucket, per stream key, each list in schedule order; and
+    the launches of that kind that cannot be packed."""
+    runs: dict[tuple, list[Member]] = {}
+    refused = []
+    for op in program.ops():
+        if not isinstance(op, Launch) or op.bucket is not None:
+            continue
+        if kind == "gather" and not op.is_gather or kind != "gather" and op.role is not Role.REDUCE_SCATTER:
+            continue
+        if holds.held_by_lowering(op.hold):
+            continue
+        member = _member(program, op, kind)
+        if member is None:
+            refused.append(op.name)
+            continue
+        dtype = op.types[0].dtype
+        key = (op.phase, op.role, op.group, op.group_size, dtype, op.reduce_op)
+        runs.setdefault(key, []).append(member)
+    return sorted(runs.values(), key=lambda r: program.schedule.index(r[0].launch)), refused
+
+
+def _member(program: Program, op: Launch, kind: str) -> Member | None:
+    """`op` as a bucket member, or None if it cannot be packed."""
+    node, succ = program.node_data, program.successors
+    users = [u for u, e in succ[op.name].items() if e["kind"] == DATA]
+    ranks = op.group_size
+    if len(users) != 1 or not isinstance(node[users[0]]["op"], Wait) or not node[users[0]]["op"].target.endswith(WAIT_OP):
+        return None
+    if len(op.operands) != 1 or ranks is None or len(op.types) != 1 or op.writes or op.alias:
+        return None
+    if not op.target.endswith(GATHER_OP if kind == "gather" else REDUCE_SCATTER_OP):
+        return None
+    source = node[op.operands[0]]["op"]
+    if len(source.types) != 1 or source.types[0].dtype != op.types[0].dtype:
+        return None
+    (inp,), (out,) = source.types, op.types
+    if len(inp.shape) != 1 or len(out.shape) != 1 or inp.numel is None or out.numel is None:
+        return None
+    if kind == "gather":
+        if out.numel != ranks * inp.numel:
+            return None
+        cast = source.name if isinstance(source, Cast) and [u for u, e in succ[source.name].items()
+                                                            if e["kind"] == DATA] == [op.name] else None
+        return Member(op.name, users[0], source.name, cast, inp.numel, out.nbytes)
+    if inp.numel != ranks * out.numel or op.reduce_op is None:
+        return None
+    return Member(op.name, users[0], source.name, None, out.numel, inp.nbytes)
+
+
+def _fresh_name(program: Program, kind: str) -> str:
+    stem = "ag_bucket" if kind == "gather" else "rs_bucket"
+    buckets = {op.bucket for op in program.ops() if isinstance(op, Launch)}
+    i = 0
+    while any(f"{stem}{i}{suffix}" in program.graph for suffix in ("", "_pack", "_wait")) or f"{stem}{i}" in buckets:
+        i += 1
+    return f"{stem}{i}"
+
+
+# ---- the rewrite -------------------------------------------------------------------------
+
+def merge(program: Program, members: list[Member], kind: str, name: str) -> list[str]:
+    """Replace `members` by one bucket named `name`; returns the created ops' names. Raises
+    RewriteError (the program is then half rewritten: work on a copy) where the bucket would
+    cross an effect edge."""
+    rewriter = Rewriter(program)
+    if kind == "gather":
+        created = _merge_gathers(program, rewriter, members, name)
+    else:
+        created = _merge_reduce_scatters(program, rewriter, members, name)
+    for m in members:
+        rewriter.erase(m.wait)
+        rewriter.erase(m.launch)
+    return created
+
+
+def _merge_gathers(program: Program, rw: Rewriter, members: list[Member], name: str) -> list[str]:
+    pos = program.schedule.index
+    first = program.op(members[0].launch)
+    ranks, dtype, phase = first.group_size, first.types[0].dtype, first.phase
+    total = sum(m.numel for m in members)
+    skip = {n for m in members for n in (m.launch, m.wait)}
+    # every member's shard (or its private cast) is ready where the first member launches
+    for m in members[1:]:
+        if m.cast is not None:
+            rw.hoist(m.cast, before=first.name)
+    pack = rw.create(_compute(f"{name}_pack", [m.source for m in members], phase, TensorType(dtype, (total,)),
+                              "aten.cat.default"),
+                     before=first.name,
+                     payload=Call("aten.cat.default", ([Operand(i) for i in range(len(members))],)))
+    launch = rw.create(Launch(name=name, operands=(pack.name,), phase=phase, target=first.target,
+                              types=(TensorType(dtype, (ranks * total,)),), group=first.group, group_size=ranks,
+                              role=first.role, nbytes=sum(m.nbytes for m in members),
+                              params=tuple(p for m in members for p in program.op(m.launch).params),
+                              bucket=name, prefetched=first.prefetched, anchor=first.anchor),
+                       before=first.name, payload=Call(first.target, (Operand(0), ranks, first.group)))
+    for m in members:
+        rw.inherit(m.launch, launch.name, skip=skip)
+    # one wait where the first member was waited; the copy-outs of every member follow it
+    here = min((m.wait for m in members), key=pos)
+    wait_op = program.op(here)
+    wait = rw.create(Wait(name=f"{name}_wait", operands=(launch.name,), phase=wait_op.phase, target=wait_op.target,
+                          types=launch.types), before=here, payload=Call(wait_op.target, (Operand(0),)))
+    grid = rw.create(View(name=f"{name}_grid", operands=(wait.name,), phase=wait_op.phase, target="aten.view.default",
+                          types=(TensorType(dtype, (ranks, total)),)),
+                     before=here, payload=Call("aten.view.default", (Operand(0), [ranks, total])))
+    created = [pack.name, launch.name, wait.name, grid.name]
+    offset = 0
+    for i, m in enumerate(members):
+        band = rw.create(View(name=f"{name}_band{i}", operands=(grid.name,), phase=wait_op.phase,
+                              target="aten.slice.Tensor", types=(TensorType(dtype, (ranks, m.numel)),)),
+                         before=here, payload=Call("aten.slice.Tensor", (Operand(0), 1, offset, offset + m.numel)))
+        # clone keeps the strides of a dense input only: a column band is not dense, so the
+        # copy is contiguous (rank-major, as the member's own gather) and views as flat
+        copy = rw.create(CopyOut(name=f"{name}_copy{i}", operands=(band.name,), phase=wait_op.phase,
+                                 target="aten.clone.default", bucket=name,
+                                 types=(TensorType(dtype, (ranks, m.numel)),)),
+                         before=here, payload=Call("aten.clone.default", (Operand(0),)))
+        flat = rw.create(View(name=f"{name}_out{i}", operands=(copy.name,), phase=wait_op.phase,
+                              target="aten.view.default", types=(TensorType(dtype, (ranks * m.numel,)),)),
+                         before=here, payload=Call("aten.view.default", (Operand(0), [ranks * m.numel])))
+        rw.inherit(m.wait, flat.name, skip=skip)
+        rw.replace_uses(m.wait, flat.name)
+        created += [band.name, copy.name, flat.name]
+        offset += m.numel
+    return created
+
+
+def _merge_reduce_scatters(program: Program, rw: Rewriter, members: list[Member], name: str) -> list[str]:
+    pos = program.schedule.index
+    last = program.op(max((m.launch for m in members), key=pos))
+    ranks, dtype, phase = last.group_size, last.types[0].dtype, last.phase
+    total = sum(m.numel for m in members)
+    skip = {n for m in members for n in (m.launch, m.wait)}
+    created = []
+    rows = []
+    for i, m in enumerate(members):
+        row = rw.create(View(name=f"{name}_rows{i}", operands=(m.source,), phase=phase, target="aten.view.default",
+                             types=(TensorType(dtype, (ranks, m.numel)),)),
+                        before=last.name, payload=Call("aten.view.default", (Operand(0), [ranks, m.numel])))
+        rows.append(row.name)
+    # row r of the pack: every member's chunk for rank r, in member order
+    pack = rw.create(_compute(f"{name}_pack", rows, phase, TensorType(dtype, (ranks, total)), "aten.cat.default"),
+                     before=last.name,
+                     payload=Call("aten.cat.default", ([Operand(i) for i in range(len(rows))], 1)))
+    flat = rw.create(View(name=f"{name}_flat", operands=(pack.name,), phase=phase, target="aten.view.default",
+                          types=(TensorType(dtype, (ranks * total,)),)),
+                     before=last.name, payload=Call("aten.view.default", (Operand(0), [ranks * total])))
+    launch = rw.create(Launch(name=name, operands=(flat.name,), phase=phase, target=last.target,
+                              types=(TensorType(dtype, (total,)),), group=last.group, group_size=ranks,
+                              role=last.role, reduce_op=last.reduce_op, bucket=name,
+                              params=tuple(p for m in members for p in program.op(m.launch).params)),
+                       before=last.name, payload=Call(last.target, (Operand(0), last.reduce_op, ranks, last.group)))
+    created += [*rows, pack.name, flat.name, launch.name]
+    for m in members:
+        rw.inherit(m.launch, launch.name, skip=skip)
+    here = min((m.wait for m in members), key=pos)
+    wait_op = program.op(here)
+    wait = rw.create(Wait(name=f"{name}_wait", operands=(launch.name,), phase=wait_op.phase, target=wait_op.target,
+                          types=launch.types), before=here, payload=Call(wait_op.target, (Operand(0),)))
+    created.append(wait.name)
+    offset = 0
+    for i, m in enumerate(members):
+        out = rw.create(View(name=f"{name}_out{i}", operands=(wait.name,), phase=wait_op.phase,
+                             target="aten.slice.Tensor", types=(TensorType(dtype, (m.numel,)),)),
+                        before=here, payload=Call("aten.slice.Tensor", (Operand(0), 0, offset, offset + m.numel)))
+        rw.inherit(m.wait, out.name, skip=skip)
+        rw.replace_uses(m.wait, out.name)
+        created.append(out.name)
+        offset += m.numel
+    return created
+
+
+def _compute(name: str, operands: list[str], phase: Phase, type_: TensorType, target: str) -> Compute:
+    return Compute(name=name, operands=tuple(operands), phase=phase, types=(type_,), target=target)
