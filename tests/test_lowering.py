@@ -137,8 +137,9 @@ def test_every_kind_is_recognised():
     assert op(p, side).reason == "side effect" and isinstance(op(p, side), Barrier)
     assert isinstance(op(p, rand), Compute) and op(p, rand).random
     assert op(p, rs) == Launch(name=rs.name, operands=(add.name,), target="_c10d_functional.reduce_scatter_tensor.default",
-                               group="0", group_size=2, role=Role.REDUCE_SCATTER, phase=Phase.BACKWARD)
+                               group="0", group_size=2, role=Role.REDUCE_SCATTER, phase=Phase.BACKWARD, reduce_op="sum")
     assert op(p, ar).role is None and op(p, ar).group == "1" and not op(p, ar).is_gather
+    assert op(p, ar).reduce_op == "sum" and op(p, ag).reduce_op is None
     assert op(p, ar).group_size is None  # all_reduce has no group_size argument
     assert isinstance(op(p, arw), Wait) and op(p, arw).phase is Phase.BACKWARD
     assert isinstance(p.op("output"), Output)

@@ -4,11 +4,12 @@ The rewritten program verifies, raises to FX that lints and lowers back to the s
 keeps every effect edge of the input (a property over caps and bucket sizes, with the
 simulated peak within the cap), and computes bitwise the same loss and gradients as the
 unscheduled graph on gloo ranks: at 2 ranks (gather and reduce-scatter buckets), and at 4
-ranks for reduce-scatter buckets, where the sums are over more than two addends. Measured
-(torch 2.13.0, gloo on CPU): at 4 ranks the bucketed reduce-scatters are bitwise equal to the
-unbucketed ones too — gloo sums each element of a rank's output chunk in the same order
-whether the chunk is a member's own or a slice of the packed buffer's; the 4-rank test would
-catch the day it does not.
+ranks for reduce-scatter buckets, where each sum has four addends and their order could
+matter. Measured (torch 2.13.0, gloo on CPU, gpt and encoder at width 32): bitwise equal at 4
+ranks too: gloo's reduce-scatter of the packed buffer gives every element the same sum, bit
+for bit, as the member's own reduce-scatter did (same addends, in an order that does not
+depend on where the chunk sits in the buffer, as far as this measures). Nothing guarantees
+that for other backends or sizes; the 4-rank test says so the day it changes.
 """
 
 from __future__ import annotations
