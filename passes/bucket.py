@@ -7,7 +7,8 @@ contiguous [ranks, shard] tensor and flattened, which is exactly what the member
 returned. A reduce-scatter bucket views each gradient as [ranks, shard], concatenates them along
 the shard dimension (row r: every member's chunk for rank r, in member order), reduce-scatters
 the flattened result once, and each member reads its slice of the reduced chunk, exactly what
-its own reduce-scatter returned.
+its own reduce-scatter returned. Collectives work on dim 0, so a shard or gradient of any rank
+is flattened first (a reshape) and each member's result viewed back to its own shape.
 
 Members: launches of one stream (process group and size), phase and kind (forward gathers,
 re-gathers, or reduce-scatters of one reduce op) and dtype, in schedule order; buckets made by
@@ -71,6 +72,7 @@ class Member:
     cast: str | None   # a gather's private cast of its shard, hoisted with it
     numel: int         # its shard's elements (a gather's input, a reduce-scatter's output)
     nbytes: int        # the collective's bytes (gathered output, reduce-scatter input)
+    shape: tuple[int, ...]  # the collective's result
 
 
 @register_pass
@@ -225,17 +227,18 @@ def _member(program: Program, op: Launch, kind: str) -> Member | None:
     if len(source.types) != 1 or source.types[0].dtype != op.types[0].dtype:
         return None
     (inp,), (out,) = source.types, op.types
-    if len(inp.shape) != 1 or len(out.shape) != 1 or inp.numel is None or out.numel is None:
+    # collectives on dim 0: the gathered (or reduced) tensor is the ranks' chunks one after another
+    if not inp.shape or inp.numel is None or out.numel is None or inp.shape[1:] != out.shape[1:]:
         return None
     if kind == "gather":
         if out.numel != ranks * inp.numel:
             return None
         cast = source.name if isinstance(source, Cast) and [u for u, e in succ[source.name].items()
                                                             if e["kind"] == DATA] == [op.name] else None
-        return Member(op.name, users[0], source.name, cast, inp.numel, out.nbytes)
+        return Member(op.name, users[0], source.name, cast, inp.numel, out.nbytes, out.shape)
     if inp.numel != ranks * out.numel or op.reduce_op is None:
         return None
-    return Member(op.name, users[0], source.name, None, out.numel, inp.nbytes)
+    return Member(op.name, users[0], source.name, None, out.numel, inp.nbytes, out.shape)
 
 
 def _fresh_name(program: Program, kind: str) -> str:
@@ -274,8 +277,8 @@ def _merge_gathers(program: Program, rw: Rewriter, members: list[Member], name: 
     for m in members[1:]:
         if m.cast is not None:
             rw.hoist(m.cast, before=first.name)
-    pack = rw.create(_compute(f"{name}_pack", [m.source for m in members], phase, TensorType(dtype, (total,)),
-                              "aten.cat.default"),
+    flats = [_flat(program, rw, m.source, f"{name}_in{i}", phase, before=first.name) for i, m in enumerate(members)]
+    pack = rw.create(_compute(f"{name}_pack", flats, phase, TensorType(dtype, (total,)), "aten.cat.default"),
                      before=first.name,
                      payload=Call("aten.cat.default", ([Operand(i) for i in range(len(members))],)))
     launch = rw.create(Launch(name=name, operands=(pack.name,), phase=phase, target=first.target,
@@ -294,7 +297,8 @@ def _merge_gathers(program: Program, rw: Rewriter, members: list[Member], name: 
     grid = rw.create(View(name=f"{name}_grid", operands=(wait.name,), phase=wait_op.phase, target="aten.view.default",
                           types=(TensorType(dtype, (ranks, total)),)),
                      before=here, payload=Call("aten.view.default", (Operand(0), [ranks, total])))
-    created = [pack.name, launch.name, wait.name, grid.name]
+    created = [*(f for f in flats if f not in {m.source for m in members}), pack.name, launch.name, wait.name,
+               grid.name]
     offset = 0
     for i, m in enumerate(members):
         band = rw.create(View(name=f"{name}_band{i}", operands=(grid.name,), phase=wait_op.phase,
@@ -307,8 +311,8 @@ def _merge_gathers(program: Program, rw: Rewriter, members: list[Member], name: 
                                  types=(TensorType(dtype, (ranks, m.numel)),)),
                          before=here, payload=Call("aten.clone.default", (Operand(0),)))
         flat = rw.create(View(name=f"{name}_out{i}", operands=(copy.name,), phase=wait_op.phase,
-                              target="aten.view.default", types=(TensorType(dtype, (ranks * m.numel,)),)),
-                         before=here, payload=Call("aten.view.default", (Operand(0), [ranks * m.numel])))
+                              target="aten.view.default", types=(TensorType(dtype, m.shape),)),
+                         before=here, payload=Call("aten.view.default", (Operand(0), list(m.shape))))
         rw.inherit(m.wait, flat.name, skip=skip)
         rw.replace_uses(m.wait, flat.name)
         created += [band.name, copy.name, flat.name]
@@ -325,9 +329,10 @@ def _merge_reduce_scatters(program: Program, rw: Rewriter, members: list[Member]
     created = []
     rows = []
     for i, m in enumerate(members):
-        row = rw.create(View(name=f"{name}_rows{i}", operands=(m.source,), phase=phase, target="aten.view.default",
+        # reshape: a gradient that is not contiguous is copied (never wrongly viewed)
+        row = rw.create(View(name=f"{name}_rows{i}", operands=(m.source,), phase=phase, target="aten.reshape.default",
                              types=(TensorType(dtype, (ranks, m.numel)),)),
-                        before=last.name, payload=Call("aten.view.default", (Operand(0), [ranks, m.numel])))
+                        before=last.name, payload=Call("aten.reshape.default", (Operand(0), [ranks, m.numel])))
         rows.append(row.name)
     # row r of the pack: every member's chunk for rank r, in member order
     pack = rw.create(_compute(f"{name}_pack", rows, phase, TensorType(dtype, (ranks, total)), "aten.cat.default"),
@@ -354,11 +359,28 @@ def _merge_reduce_scatters(program: Program, rw: Rewriter, members: list[Member]
         out = rw.create(View(name=f"{name}_out{i}", operands=(wait.name,), phase=wait_op.phase,
                              target="aten.slice.Tensor", types=(TensorType(dtype, (m.numel,)),)),
                         before=here, payload=Call("aten.slice.Tensor", (Operand(0), 0, offset, offset + m.numel)))
+        created.append(out.name)
+        if len(m.shape) != 1:  # a contiguous slice: it views as the member's own result
+            out = rw.create(View(name=f"{name}_shape{i}", operands=(out.name,), phase=wait_op.phase,
+                                 target="aten.view.default", types=(TensorType(dtype, m.shape),)),
+                            before=here, payload=Call("aten.view.default", (Operand(0), list(m.shape))))
+            created.append(out.name)
         rw.inherit(m.wait, out.name, skip=skip)
         rw.replace_uses(m.wait, out.name)
-        created.append(out.name)
         offset += m.numel
     return created
+
+
+def _flat(program: Program, rw: Rewriter, source: str, name: str, phase: Phase, *, before: str) -> str:
+    """`source` as a flat tensor: itself when it is one, else a reshape of it (a view when it is
+    contiguous, a copy when not: never a wrong view)."""
+    (t,) = program.op(source).types
+    if len(t.shape) == 1:
+        return source
+    rw.create(View(name=name, operands=(source,), phase=phase, target="aten.reshape.default",
+                   types=(TensorType(t.dtype, (t.numel,)),)),
+              before=before, payload=Call("aten.reshape.default", (Operand(0), [t.numel])))
+    return name
 
 
 def _compute(name: str, operands: list[str], phase: Phase, type_: TensorType, target: str) -> Compute:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from fxsched.ir import Compute, EFFECT, parse_program, verify
+from fxsched.ir import EFFECT, Compute, Phase, parse_program, verify
 from fxsched.ir.rewriter import Rewriter, RewriteError
 
 TEXT = """
@@ -73,3 +73,40 @@ def test_create_places_the_op_before_the_given_node():
     assert program.schedule.index("n") == program.schedule.index("z") - 1
     with pytest.raises(RewriteError, match="operand %z is not scheduled before %y"):
         Rewriter(program).create(Compute(name="m", operands=("z",), target="aten.neg"), before="y")
+
+
+def test_create_orders_a_new_read_before_the_storage_free_and_refuses_one_after():
+    program = parse_program(TEXT)
+    rewriter = Rewriter(program)
+    rewriter.create(Compute(name="n", operands=("t",), target="aten.neg"), before="y")
+    assert program.graph.has_edge("n", "f") and program.graph.edges["n", "f"]["why"] == "free"
+    with pytest.raises(RewriteError, match="%m would read storage that %f frees before it"):
+        rewriter.create(Compute(name="m", operands=("v",), target="aten.neg"), before="z")
+    assert "m" not in program.graph and "m" not in program.schedule  # the refused op is gone again
+    verify(program)
+
+
+def test_inherit_takes_over_effect_edges_and_refuses_to_cross_one():
+    program = parse_program(TEXT)
+    rewriter = Rewriter(program)
+    # a second gather of w in the backward, made just before the re-gather: it follows the forward free
+    rewriter.create(Compute(name="early", operands=("w",), target="aten.neg", phase=Phase.BACKWARD), before="rag")
+    rewriter.inherit("rag", "early")
+    assert program.graph.edges["f", "early"]["why"] == "regather"
+    verify(program)
+    # placed before the free, it would cross the regather edge: refused, nothing added
+    rewriter.create(Compute(name="late", operands=("w",), target="aten.neg"), before="f")
+    edges = program.size()[1]
+    with pytest.raises(RewriteError, match="%late would run before %f, which %rag follows \\(regather\\)"):
+        rewriter.inherit("rag", "late")
+    assert program.size()[1] == edges
+
+
+def test_hoist_moves_an_op_earlier_but_not_before_its_predecessors():
+    program = parse_program(TEXT)
+    rewriter = Rewriter(program)
+    rewriter.hoist("z", before="f")
+    assert program.schedule.index("z") == program.schedule.index("f") - 1
+    verify(program)
+    with pytest.raises(RewriteError, match="hoist\\(%rag\\) before %y: it follows %f \\(regather\\)"):
+        rewriter.hoist("rag", before="y")
