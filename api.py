@@ -7,6 +7,7 @@ is the drop-in for the reference pass (same config, same outputs in `meta`, one 
 from __future__ import annotations
 
 import logging
+import os
 from typing import Any
 
 import attrs
@@ -59,15 +60,17 @@ def gather_table(program: Program) -> list[dict[str, Any]]:
 
 def schedule(gm: fx.GraphModule, pipeline: str = DEFAULT_PIPELINE, *, verify_each: bool = True,
              timing: bool = False, instruments: list[Instrument] | None = None,
-             cost_model: Any = None) -> ScheduleResult:
+             cost_model: Any = None, verify_lowered: bool | None = None) -> ScheduleResult:
     """Lower `gm` (left untouched), run `pipeline`, and raise a fresh, linted GraphModule.
 
     `pipeline` is pipeline text or a name (`default`, `reference`); `cost_model` is what
     cost-guided passes price ops with (a hardware profile name such as "h200", a
     `fxsched.cost.model.CostModel`, a {target: ms} table or a function op -> ms; H100 when None).
+    `verify_lowered`: verify the lowered program before the first pass as well (see `_schedule`;
+    None: when FXSCHED_VERIFY_LOWERED=1, as in the tests).
     """
     done = _schedule(gm, pipeline, raise_program, verify_each=verify_each, timing=timing,
-                     instruments=instruments, cost_model=cost_model)
+                     instruments=instruments, cost_model=cost_model, verify_lowered=verify_lowered)
     # Tag what this run moved, as the drop-in does: lowering reads the tag back, so scheduling
     # the result again counts these gathers in flight instead of overshooting the budget.
     moved = {row["launch"]: row["anchor"] for row in gather_table(done.program)
@@ -78,10 +81,28 @@ def schedule(gm: fx.GraphModule, pipeline: str = DEFAULT_PIPELINE, *, verify_eac
     return done
 
 
+def _verify_lowered_default() -> bool:
+    """FXSCHED_VERIFY_LOWERED=1 verifies what lowering returned before the first pass (tests/conftest.py sets it)."""
+    return os.environ.get("FXSCHED_VERIFY_LOWERED", "") not in ("", "0")
+
+
 def _schedule(gm: fx.GraphModule, pipeline: str, raising, *, verify_each: bool = True, timing: bool = False,
-              instruments: list[Instrument] | None = None, cost_model: Any = None) -> ScheduleResult:
-    """`schedule`, raising with `raising` (a fresh module, or `gm` itself reordered in place)."""
-    manager = PassManager(pipeline, verify_each=verify_each, instruments=list(instruments or []))
+              instruments: list[Instrument] | None = None, cost_model: Any = None,
+              verify_lowered: bool | None = None) -> ScheduleResult:
+    """`schedule`, raising with `raising` (a fresh module, or `gm` itself reordered in place).
+
+    The program the passes get is what `lower` just returned from the linted graph, and that keeps
+    every rule the verifier checks by construction (so its check before the first pass, a tenth of
+    a 100k-node drop-in, runs only when asked): lowering builds each op's operands, writes and
+    alias from the node's own inputs, pairs a launch with its one wait or makes it opaque, and
+    assigns phases forward then backward; derive_effects adds every edge from an earlier op to a
+    later one of that order (the output last, inputs reading nothing: lowering refuses a graph
+    otherwise) and refuses a use after free. Every pass is still verified after it runs.
+    """
+    if verify_lowered is None:
+        verify_lowered = _verify_lowered_default()
+    manager = PassManager(pipeline, verify_each=verify_each, instruments=list(instruments or []),
+                          verify_input=verify_lowered)
     timer = Timing() if timing else None
     if timer:
         manager.instruments.insert(0, timer)

@@ -250,6 +250,7 @@ class _Lowering:
         self.storages: dict[fx.Node, int | None] = {}  # storage identity of meta["val"]
         self.launches: set[str] = set()  # names lowered as a Launch (what a Wait may wait on)
         self.launch_writes: dict[str, tuple[str, ...]] = {}
+        self.output: str | None = None  # the output's name, once lowered
 
     def target(self, node: fx.Node) -> _Target:
         key = (node.op, id(node.target))
@@ -264,8 +265,14 @@ class _Lowering:
         if node.op != "call_function":
             return False
         info = self.target(node)
-        return info.collective and not info.wait and (
-            len(node.users) != 1 or not self.target(next(iter(node.users))).wait)
+        return info.collective and not info.wait and not self.waited_once(node)
+
+    def waited_once(self, node: fx.Node) -> bool:
+        """The node's one user is a wait on it alone (so it lowers to the launch's Wait)."""
+        if len(node.users) != 1:
+            return False
+        user = next(iter(node.users))
+        return self.target(user).wait and len(user.all_input_nodes) == 1
 
     def storage(self, node: fx.Node) -> int | None:
         """`_storage_key` of the node's `meta["val"]`, once per node."""
@@ -348,9 +355,17 @@ class _Lowering:
         kind = node.op
         base = {"name": node.name, "operands": tuple([n.name for n in node.all_input_nodes]),
                 "types": value_types(node, self.types)}
+        # the output ends the program and inputs read nothing: derive_effects's order rules
+        # (ir/effects.py) then keep the graph's own order, which the manager relies on (api.py)
+        if self.output is not None:
+            raise LoweringError(f"%{node.name} follows the graph's output %{self.output}: nothing may")
         if kind == "placeholder":
+            if base["operands"]:
+                raise LoweringError(f"input %{node.name} reads {['%' + o for o in base['operands']]}: "
+                                    "an input's default may not be another node")
             return Input(target=str(node.target), **base)
         if kind == "output":
+            self.output = node.name
             base["types"] = ()
             return Output(**base)
         base["phase"] = self.phase(node)
@@ -441,7 +456,7 @@ class _Lowering:
 
     def gather(self, node: fx.Node, target: str, role: Role, base: dict) -> Launch:
         users = list(node.users)
-        if len(users) != 1 or not self.target(users[0]).wait:
+        if not self.waited_once(node):
             raise LoweringError(
                 f"FSDP gather %{node.name} ({node.meta[tags.COMM_TYPE]}) must have exactly one user, a wait_tensor; "
                 f"it has {[u.name for u in users]}")

@@ -111,3 +111,6 @@ class FxirItem(pytest.Item):
 # every PassManager in the tests recomputes each analysis it keeps across a pass and fails on
 # a difference (passes/manager.py): a kept analysis must never change a result
 os.environ.setdefault("FXSCHED_CHECK_ANALYSES", "1")
+# and every lowered program is verified before the first pass, as is any other input (api.py:
+# outside the tests, lowering's output is valid by construction and that check is skipped)
+os.environ.setdefault("FXSCHED_VERIFY_LOWERED", "1")
