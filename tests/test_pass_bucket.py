@@ -16,18 +16,20 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
 import fxsched
 from fxsched.cost.simulate import simulate
 from fxsched.front import fsdp_joint_graph
+from fxsched.front.generate import generate_graph, min_nodes
 from fxsched.ir import CopyOut, Launch, Role, verify
 from fxsched.ir.errors import ConfigError
 from fxsched.lowering import lower
 from fxsched.models import MODELS, build_model
 from fxsched.passes import PassManager
 from fxsched.passes.bucket import Bucket
+from fxsched.raising import raise_program
 from fxsched.runtime import run_ranks
 
 GIB = 1 << 30
@@ -116,18 +118,43 @@ def default_programs():
        kinds=st.sampled_from(["", ",gathers=false", ",reduce-scatters=false"]))
 def test_bucketing_keeps_every_effect_edge_and_the_cap(default_programs, case, factor, size_mb, kinds):
     program = default_programs[case].copy()
+    cap_gb = simulate(program).peak_bytes * factor / GIB
+    _check_bucketing(program, f"bucket{{max-peak-gb={cap_gb!r},max-bucket-mb={size_mb!r}{kinds}}}", cap_gb * GIB,
+                     size_mb)
+
+
+@settings(max_examples=15, deadline=None)
+@given(layers=st.integers(1, 3), attention=st.booleans(), buckets=st.booleans(), mixed_precision=st.booleans(),
+       barriers=st.booleans(), reshard=st.booleans(), seed=st.integers(0, 2**16), extra=st.integers(0, 200),
+       increase_gb=st.sampled_from([0.0, 1e-5, 1.0]))
+def test_generated_graphs_bucket_legally_within_the_cap(layers, attention, buckets, mixed_precision, barriers,
+                                                         reshard, seed, extra, increase_gb):
+    # generated graphs: barriers, FSDP buckets, mixed precision, no reshard, attention intervals
+    options = dict(layers=layers, attention=attention, buckets=buckets, mixed_precision=mixed_precision,
+                   barriers=barriers, reshard=reshard, seed=seed)
+    program = lower(generate_graph(min_nodes(**options) + extra, **options))
+    PassManager("default").run(program)
     peak = simulate(program).peak_bytes
-    cap_gb = peak * factor / GIB
+    cap = peak + increase_gb * GIB if increase_gb > 0 else peak
+    stats = _check_bucketing(program, f"bucket{{max-peak-increase-gb={increase_gb!r}}}", cap, 256.0)
+    raise_program(program).graph.lint()  # every created op builds into FX
+    event(f"buckets: {'some' if stats['buckets'] else 'none'}")
+
+
+def _check_bucketing(program, pipeline: str, cap: float, size_mb: float) -> dict:
+    """Run `pipeline` (one bucket pass) on `program`: it verifies, keeps every effect edge of the
+    input between the ops still there (an erased member's edges are its bucket's), keeps the
+    simulated peak within the cap (or the input's peak, if that was over it already) and each
+    bucket within its size; returns the pass's statistics."""
+    peak = simulate(program).peak_bytes
     edges = program.effect_edges()
-    result = PassManager(f"bucket{{max-peak-gb={cap_gb!r},max-bucket-mb={size_mb!r}{kinds}}}").run(program)
+    result = PassManager(pipeline).run(program)
     verify(program)
     after = simulate(program).peak_bytes
-    assert after <= max(cap_gb * GIB, peak)
+    assert after <= max(cap, peak)
     stats = next(iter(result.stats().values()))
     assert stats["peak_after_bytes"] == after
-    # every rule between ops that are still there holds; an erased member's order is its bucket's
     pos = program.schedule.index
-    erased = {m for b in stats["bought"].values() for m in b["members"]}
     bucket_of = {m: name for name, b in stats["bought"].items() for m in b["members"]}
     for u, v, _ in edges:
         u2, v2 = bucket_of.get(u, u), bucket_of.get(v, v)
@@ -135,7 +162,8 @@ def test_bucketing_keeps_every_effect_edge_and_the_cap(default_programs, case, f
             assert pos(u2) < pos(v2), (u, v)
     for b in stats["bought"].values():
         assert b["bytes"] <= size_mb * (1 << 20)
-    assert not erased & set(program.graph)
+    assert not set(bucket_of) & set(program.graph)
+    return stats
 
 
 def _run_all(rank, world_size, jobs):
