@@ -51,17 +51,23 @@ class PassContext:
     it; otherwise the first `get` does): analyses that promise an order of gathers give the
     order their launches had there — the order the reference collects them in — so that a
     pass moving launches leaves it true, and a fresh computation agrees with a kept one.
+
+    `planned` is the order an anchoring pass planned the gathers' launches in, when it is not
+    the entry order: `hide` sets it (the order the gathers are needed in, which a second run
+    over the pipeline's own output sees the same); `sink` stacks realizations in it.
     """
 
     def __init__(self, **options: Any):
         self._cache: dict[type[Analysis], Analysis] = {}
         self.options = options
         self.entry: Schedule | None = None
+        self.planned: tuple[str, ...] | None = None
 
     def begin(self, program: Program) -> None:
         """A pipeline starts on `program`: forget analyses of anything else, record its order."""
         self._cache.clear()
         self.entry = program.schedule.copy()
+        self.planned = None
 
     def get(self, kind: type[Analysis], program: Program):
         if self.entry is None:

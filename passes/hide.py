@@ -66,6 +66,11 @@ class Hide(ModulePass):
 
         stats = {"anchored": 0, HIDDEN: 0, NOT_HIDDEN: 0, "held": 0}
         changed = False
+        # launches are planned in the order the gathers are needed (first consumer, then name:
+        # no scheduling pass moves a consumer), not the entry order, which prefetch changes:
+        # sink stacks realizations in this order, so a second run stacks them the same way
+        ctx.planned = tuple(g.launch for g in sorted(gathers.gathers,
+                                                     key=lambda g: (schedule.index(g.first_consumer), g.launch)))
         for stream, members in streams.items():
             busy = sorted(fixed.get(stream, []))
             limit = float("inf")

@@ -6,9 +6,12 @@ edges) and of the realization node after it, so independent branches keep their 
 
 Realizations that land before the same node stack in the order the gathers are walked:
 `order=launch` (the reference's) walks them in the order their launches had when the
-pipeline started; `order=wait` in the order their waits are now, so that a second run over
-the pipeline's own output keeps every stack as it is even where a later pass
-(order-gathers) changed the launch order.
+pipeline started; `order=wait` in the order their waits are now. After `hide`, both walk in
+the order hide planned the launches in — the order the gathers are needed in (first consumer,
+then name), which no scheduling pass changes — because the other two are not fixed points:
+prefetch and order-gathers change the launch order, and sink itself the order of waits, so a
+second run over the pipeline's own output would restack realizations (same places, another
+order) where a stack holds realization nodes of gathers whose order changed.
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ class Sink(ModulePass):
     reorders_only = True
 
     order: str = option("launch", "stack realizations before one node in launch order (the reference's) "
-                                  "or in wait order (a fixed point when a later pass reorders launches)")
+                                  "or in wait order; after hide, in hide's plan (a fixed point) either way")
 
     def __post_init__(self):
         if self.order not in ("launch", "wait"):
@@ -40,7 +43,10 @@ class Sink(ModulePass):
         analysis = ctx.get(GatherAnalysis, program)
         pos = program.schedule.index
         gathers = analysis.gathers
-        if self.order == "wait":
+        if ctx.planned is not None:  # after hide
+            rank = {name: i for i, name in enumerate(ctx.planned)}
+            gathers = sorted(gathers, key=lambda g: rank.get(g.launch, len(rank)))
+        elif self.order == "wait":
             gathers = sorted(gathers, key=lambda g: min(map(pos, g.realization)))
         sunk = sum(sink_in_order(program, sorted(g.realization, key=pos)) for g in gathers)
         return PassResult(sunk > 0, {"sunk": sunk})
