@@ -31,6 +31,8 @@ class ScheduleResult:
     pipeline: str
     result: PipelineResult
     timing: Timing | None = None
+    #: gathers an earlier run had moved (lowering read their tag): the report tells them apart
+    earlier: frozenset[str] = frozenset()
 
     @property
     def report(self) -> dict[str, Any]:
@@ -39,21 +41,28 @@ class ScheduleResult:
             "pipeline": self.pipeline,
             "changed": self.result.changed,
             "passes": self.result.stats(),
-            "gathers": gather_table(self.program),
+            "gathers": gather_table(self.program, self.earlier),
             "notes": list(self.program.notes),
             "seconds": dict(self.timing.seconds) if self.timing else None,
         }
 
 
-def gather_table(program: Program) -> list[dict[str, Any]]:
-    """One row per FSDP gather: moved or not, where to, and why not."""
+def gather_table(program: Program, earlier: frozenset[str] = frozenset()) -> list[dict[str, Any]]:
+    """One row per FSDP gather: moved by this run or not, where to, and why not.
+
+    `earlier`: the gathers an earlier run had moved (`ScheduleResult.earlier`). Such a gather
+    is `moved` only where this run moved it again (anchored, not held); otherwise its row says
+    `earlier` and gives this run's reason — it still launches where the earlier run put it (no
+    pass moves a launch later), which a lower budget on the re-run does not undo."""
     rows = []
     for op in program.ops():
         if isinstance(op, Launch) and op.is_gather:
+            before = op.name in earlier
+            moved = op.prefetched and (not before or (op.hold is None and op.anchor is not None))
             rows.append({
                 "launch": op.name, "role": op.role.value, "phase": op.phase.value,
                 "params": list(op.params), "bucket": op.bucket, "nbytes": op.nbytes,
-                "moved": op.prefetched, "anchor": op.anchor, "reason": op.hold,
+                "moved": moved, "earlier": before and not moved, "anchor": op.anchor, "reason": op.hold,
             })
     return rows
 
@@ -73,7 +82,7 @@ def schedule(gm: fx.GraphModule, pipeline: str = DEFAULT_PIPELINE, *, verify_eac
                      instruments=instruments, cost_model=cost_model, verify_lowered=verify_lowered)
     # Tag what this run moved, as the drop-in does: lowering reads the tag back, so scheduling
     # the result again counts these gathers in flight instead of overshooting the budget.
-    moved = {row["launch"]: row["anchor"] for row in gather_table(done.program)
+    moved = {row["launch"]: row["anchor"] for row in gather_table(done.program, done.earlier)
              if row["moved"] and row["reason"] is None and row["anchor"] is not None}
     for node in done.graph_module.graph.nodes:
         if node.name in moved:
@@ -109,9 +118,10 @@ def _schedule(gm: fx.GraphModule, pipeline: str, raising, *, verify_each: bool =
     with gc_paused():  # one pause for all stages: a full collection between them scans the whole graph
         gm.graph.lint()
         program = lower(gm)
+        earlier = frozenset(op.name for op in program.ops() if isinstance(op, Launch) and op.prefetched)
         result = manager.run(program, PassContext(cost_model=cost_model))
         raised = raising(program)
-    return ScheduleResult(raised, program, str(manager), result, timer)
+    return ScheduleResult(raised, program, str(manager), result, timer, earlier)
 
 
 def reference_pipeline(max_in_flight_gb: float, forward_depth: int = 1, backward_depth: int = 1) -> str:
@@ -136,7 +146,7 @@ def overlap_param_gather(graph_module: fx.GraphModule, config) -> fx.GraphModule
     sink = next(v for k, v in stats.items() if k.startswith("sink"))
     # only what this run moved (an earlier run's anchors stay in the meta); the program's
     # payload is the module's own nodes
-    for row in gather_table(done.program):
+    for row in gather_table(done.program, done.earlier):
         if row["moved"] and row["reason"] is None:
             done.program.payload[row["launch"]].meta[tags.PREFETCH_ANCHOR] = row["anchor"]
     graph_module.recompile()

@@ -17,7 +17,8 @@ def timing_text(timing) -> str:
 def _where(row: dict) -> str:
     if row["moved"]:
         return f"before %{row['anchor']}" if row["anchor"] else "moved (by an earlier run)"
-    return f"stays ({row['reason']})" if row["reason"] else "stays"
+    stays = "stays where an earlier run moved it" if row.get("earlier") else "stays"
+    return f"{stays} ({row['reason']})" if row["reason"] else stays
 
 
 def report_lines(report: dict) -> list[str]:
@@ -40,9 +41,12 @@ def summary_line(report: dict) -> str:
     rows = report["gathers"]
     phases = collections.Counter(row["phase"] for row in rows if row["moved"])
     held = collections.Counter(row["reason"] for row in rows if not row["moved"] and row["reason"])
+    earlier = sum(bool(row.get("earlier")) for row in rows)
     sunk = sum(s.get("sunk", 0) for k, s in report["passes"].items() if k.split("{")[0].split("#")[0] == "sink")
     text = (f"  {len(rows)} gathers: {sum(phases.values())} moved "
             f"({', '.join(f'{p} {n}' for p, n in sorted(phases.items())) or 'none'}), {sunk} nodes sunk")
+    if earlier:
+        text += f"; {earlier} left where an earlier run moved them"
     if held:
         text += "; stayed: " + ", ".join(f"{r} {n}" for r, n in sorted(held.items()))
     return text
@@ -71,6 +75,9 @@ def explain_lines(report: dict, before: dict[str, int] | None, after: dict[str, 
             if before is not None:
                 where += f" ({before.get(name, 0) - after.get(name, 0)} nodes earlier than traced)"
             lines.append(f"    moved: {where}")
+        elif row.get("earlier"):
+            why = f": this run: {row['reason']}: {explain_hold(row['reason'])}" if row["reason"] else ""
+            lines.append(f"    stays where an earlier run moved it (no pass moves a launch later){why}")
         elif row["reason"]:
             lines.append(f"    stays: {row['reason']}: {explain_hold(row['reason'])}")
         else:

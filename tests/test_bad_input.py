@@ -542,6 +542,27 @@ def test_a_budget_before_the_anchoring_pass_is_a_pipeline_error_naming_both():
     assert not moved(done) and {r["reason"] for r in done.report["gathers"][1:]} == {"over budget"}
 
 
+def test_a_rerun_with_a_lower_budget_reports_the_gathers_it_left_not_moves():
+    """A second run with a lower budget cannot move a launch back later: the gathers the first
+    run moved stay early, and the report says so (`earlier`) instead of `moved=True` with the
+    reason `over budget` (what it said before)."""
+    once = fxsched.schedule(plain(), "anchor{forward-depth=2},budget,prefetch,sink")
+    assert moved(once) == {f"all_gather_into_tensor_default_{i}" for i in (1, 2, 3)}
+    for second in ("anchor{forward-depth=3},budget{max-in-flight-gb=0.0},prefetch,sink",
+                   "hide,budget{max-in-flight-gb=0.0},prefetch,sink", "sink"):
+        twice = fxsched.schedule(once.graph_module, second)
+        assert moved(twice) == set(), second
+        assert {r["launch"] for r in twice.report["gathers"] if r["earlier"]} >= moved(once), second
+        assert fxsched.report.summary_line(twice.report).strip().startswith("4 gathers: 0 moved (none)")
+    twice = fxsched.schedule(once.graph_module, "anchor{forward-depth=3},budget{max-in-flight-gb=0.0},prefetch,sink")
+    last = row(twice, "all_gather_into_tensor_default_3")
+    assert (last["moved"], last["earlier"], last["reason"]) == (False, True, "over budget")
+    text = fxsched.explain_text(twice)
+    assert "3 left where an earlier run moved them" in text
+    assert ("%all_gather_into_tensor_default_3 (fwd" in text and "    stays where an earlier run moved it (no pass "
+            "moves a launch later): this run: over budget: " in text)
+
+
 def test_every_input_error_is_one_cli_line_and_exit_2(capsys, tmp_path):
     from fxsched.cli import main
 
