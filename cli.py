@@ -499,13 +499,6 @@ def main(argv: list[str] | None = None) -> int:
         except OSError as exc:  # an output file that cannot be written
             print(f"fxsched: {exc}", file=sys.stderr)
             return EXIT_USAGE
-        except Exception as exc:
-            # raising's error, without importing raising (and torch) for commands that never raise
-            raising = sys.modules.get(f"{__package__}.raising.fx")
-            if raising is None or not isinstance(exc, raising.RaisingError):
-                raise
-            print(f"fxsched: {exc}", file=sys.stderr)
-            return EXIT_FAILED
 
 
 if __name__ == "__main__":

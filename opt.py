@@ -18,8 +18,13 @@ SPLIT = "// -----"
 _SPLIT_LINE = re.compile(r"^//\s*-----\s*$")
 
 
-class InputError(Exception):
-    """The input does not parse or is not a valid program (exit code 2)."""
+from .ir.errors import InputError
+
+
+class SourceError(InputError):
+    """A chunk of the input does not parse or is not a valid program. The message is a
+    diagnostic as mlir-opt prints them, `FILE:LINE:COLUMN: error: …` (a test can FileCheck it
+    with --verify-diagnostics), so opt prints it as it is, not as `fxsched: …`; exit 2."""
 
 
 def split_input(text: str, split: bool) -> list[str]:
@@ -38,7 +43,7 @@ def split_input(text: str, split: bool) -> list[str]:
 def run_chunk(text: str, source: str, args, instruments) -> str:
     """Parse one chunk, run the pipeline on it, and return the printed result.
 
-    Raises InputError for bad text or an invalid input program, PassFailure when a pass fails."""
+    Raises SourceError for bad text or an invalid input program, PassFailure when a pass fails."""
     from .ir import ParseError, parse_program, print_program, verify
     from .passes import PassContext, PassManager
 
@@ -46,14 +51,14 @@ def run_chunk(text: str, source: str, args, instruments) -> str:
         program = parse_program(text)
     except ParseError as exc:
         pointer = "".join(f"\n{line}" for line in str(exc).splitlines()[1:])
-        raise InputError(f"{source}:{exc.line}:{exc.column}: error: {exc.message}{pointer}") from None
+        raise SourceError(f"{source}:{exc.line}:{exc.column}: error: {exc.message}{pointer}") from None
     except ValueError as exc:  # the order breaks a rule no schedule could keep (EffectError)
-        raise InputError(f"{source}: error: {exc}") from None
+        raise SourceError(f"{source}: error: {exc}") from None
     if args.verify:
         try:
             verify(program)
         except ValueError as exc:
-            raise InputError(f"{source}: error: {exc}") from None
+            raise SourceError(f"{source}: error: {exc}") from None
     manager = PassManager(args.pipeline_passes, verify_each=args.verify, instruments=instruments,
                           reproducer=bool(args.reproducer))
     result = manager.run(program, PassContext(cost_model=args.hardware))
@@ -109,7 +114,7 @@ def opt(args) -> int:
     for chunk in split_input(text, args.split_input_file):
         try:
             outputs.append(run_chunk(chunk, source, args, instruments))
-        except InputError as exc:
+        except SourceError as exc:
             print(exc, file=errors)
             status = max(status, EXIT_USAGE)
         except PassFailure as exc:

@@ -21,12 +21,14 @@ except ImportError:  # pragma: no cover
 import torch
 
 from ..ir import CopyOut, Launch, Marker, Phase, Program, tags
+from ..ir.errors import InputError
 from ..ir.gcpause import gc_paused
 from ..ir.rewriter import Call, Operand
 
 
-class RaisingError(ValueError):
-    pass
+class RaisingError(InputError):
+    """The program cannot be raised to FX: it was not lowered from a GraphModule (parsed from
+    text), or it was lowered from another module, or an op has no FX node to copy."""
 
 
 def raise_program(program: Program, *, lint: bool = True) -> fx.GraphModule:

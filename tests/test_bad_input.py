@@ -578,6 +578,25 @@ def test_every_input_error_is_one_cli_line_and_exit_2(capsys, tmp_path):
         assert err.startswith("fxsched: ") and "Traceback" not in err, (argv, err)
 
 
+def test_raising_and_opt_errors_are_input_errors_of_the_one_family(capsys, tmp_path):
+    """RaisingError (a program parsed from text cannot be raised to FX) and `fxsched opt`'s
+    SourceError are InputErrors (ir/errors.py); opt prints its diagnostic and exits 2."""
+    from fxsched.cli import main
+    from fxsched.ir.errors import FxschedError, InputError
+    from fxsched.opt import SourceError
+    from fxsched.raising import RaisingError, raise_program
+
+    with pytest.raises(InputError, match=r"not lowered from a GraphModule \(parsed from text\?\)") as info:
+        raise_program(parse_program(IR_GATHER))
+    assert isinstance(info.value, RaisingError) and isinstance(info.value, FxschedError)
+    assert issubclass(SourceError, InputError)
+    bad = tmp_path / "bad.fxir"
+    bad.write_text("%x = input\n%y = compute \"aten.neg\"(%nope)\n")
+    assert main(["opt", str(bad), "-p", "sink"]) == 2
+    _, err = capsys.readouterr()
+    assert err.startswith(f"{bad}:2:") and ": error: " in err and "Traceback" not in err
+
+
 def well_formed() -> fx.GraphModule:
     return plain()
 
