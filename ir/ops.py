@@ -251,8 +251,10 @@ class Opaque(Op):
     """A collective, or a wait, that the passes do not schedule (coalesced collectives, a wait on
     no launch, an unknown collective): it stays where it is, in order with the collectives of
     its `group` (of every group when None), and writes what `writes` says. `reason` says why.
+    `group_size` is the collective's rank count, where known (the ranks' agreement check reads it).
     """
 
     target: str = ""
     group: str | None = None
+    group_size: int | None = None
     reason: str = ""

@@ -445,7 +445,8 @@ class _Lowering:
         if self.opaque(node):
             reason = ("coalesced collective" if "coalesced" in target else "collective not waited exactly once")
             self.notes.append(f"%{node.name}: {target}: {reason}: kept in place, in order with group {group!r}")
-            return Opaque(target=target, group=group, reason=reason, writes=writes, **base)
+            return Opaque(target=target, group=group, group_size=_group_size(node, info), reason=reason,
+                          writes=writes, **base)
         if comm_type in GATHER_TAGS:
             self.notes.append(f"%{node.name}: comm_type={comm_type!r} on {target}: not a gather, kept in order")
         role = Role.REDUCE_SCATTER if comm_type == REDUCE_SCATTER_TAG else None

@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 from torch import fx
 
-from ..ir import Launch
+from ..ir import Launch, Opaque
 from ..ir import tags
 from ..lowering.fx import target_name, value_types
 
@@ -102,14 +102,27 @@ def _fx_entry(node: fx.Node) -> dict[str, Any]:
 
 
 def _ir_entry(op) -> dict[str, Any]:
+    role = getattr(op, "role", None)  # an opaque collective has no role and realises no parameter
     return {
         "kind": op.target,
         "group": op.group,
         "group_size": op.group_size,
         "type": ", ".join(str(t) for t in op.types) or "?",
-        "role": None if op.role is None else op.role.value,
-        "params": list(op.params),
+        "role": None if role is None else role.value,
+        "params": list(getattr(op, "params", ())),
     }
+
+
+def _ir_collective(op) -> bool:
+    """A launch, or an opaque collective (coalesced, not waited exactly once) — not an opaque
+    wait: ranks must agree on those as on every other collective, as the FX side counts them."""
+    if isinstance(op, Launch):
+        return True
+    if not isinstance(op, Opaque):
+        return False
+    parts = op.target.replace("::", ".").split(".")
+    name = parts[1] if len(parts) > 1 and parts[0] in _NAMESPACES else parts[0]
+    return not name.startswith("wait")
 
 
 def collective_entries(graph_or_program) -> list[dict[str, Any]]:
@@ -135,7 +148,7 @@ def collective_entries(graph_or_program) -> list[dict[str, Any]]:
             if isinstance(node, fx.Node):
                 if _fx_collective(node):
                     entries.append(_fx_entry(node))
-            elif isinstance(program.op(name), Launch):
+            elif _ir_collective(program.op(name)):
                 entries.append(_ir_entry(program.op(name)))
     else:
         raise TypeError(f"fingerprint takes a GraphModule, an fx.Graph or a Program, not {type(graph_or_program).__name__}")

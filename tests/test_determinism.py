@@ -10,6 +10,7 @@ the first differing collective instead of a hang or wrong numbers.
 from __future__ import annotations
 
 import json
+import operator
 import os
 import subprocess
 import sys
@@ -147,6 +148,38 @@ def test_fingerprint_sees_a_swap_a_group_and_a_size():
     assert fingerprint(gm) != original
     gm = generate_graph(400, seed=2, layers=1, group_name="tp")
     assert fingerprint(gm) != original
+
+
+def test_fingerprint_counts_opaque_collectives_in_fx_in_a_program_and_in_its_text():
+    """Coalesced collectives are opaque ops (issue 12): ranks must agree on their order as on
+    any other collective's, so the IR fingerprint counts them as the FX one does — waits on no
+    launch are waits, not collectives."""
+    from torch import fx, nn
+
+    c10d = torch.ops._c10d_functional
+    g = fx.Graph()
+    a, b, s = (g.placeholder(n) for n in ("a", "b", "s"))
+    ag = g.call_function(c10d.all_gather_into_tensor.default, (s, 2, "0"))
+    ag.meta.update(comm_type="fsdp_all_gather", param_name="p", fsdp_unsharded_nbytes=64)
+    done = g.call_function(c10d.wait_tensor.default, (ag,))
+    outs = [done]
+    for op, args in ((c10d.all_gather_into_tensor_coalesced.default, ([a, b], 2, "0")),
+                     (c10d.reduce_scatter_tensor_coalesced.default, ([a, b], "sum", 2, "0"))):
+        coalesced = g.call_function(op, args)
+        outs += [g.call_function(c10d.wait_tensor.default, (g.call_function(operator.getitem, (coalesced, i)),))
+                 for i in range(2)]
+    g.output(tuple(outs))
+    gm = fx.GraphModule(nn.Module(), g)
+    program = lower(gm)
+    text = print_program(program)
+    assert 'opaque "_c10d_functional.all_gather_into_tensor_coalesced.default"' in text
+    kinds = [e["kind"].split(".")[1] for e in collective_entries(parse_program(text))]
+    assert kinds == ["all_gather_into_tensor", "all_gather_into_tensor_coalesced", "reduce_scatter_tensor_coalesced"]
+    assert fingerprint(gm) == fingerprint(program) == fingerprint(parse_program(text))
+    lines = text.splitlines()
+    at = [i for i, line in enumerate(lines) if "_coalesced" in line and "= opaque" in line]
+    lines[at[0]], lines[at[1]] = lines[at[1]], lines[at[0]]  # the two coalesced collectives swapped
+    assert fingerprint(parse_program("\n".join(lines) + "\n")) != fingerprint(program)
 
 
 def test_compare_entries_names_the_odd_rank_and_the_first_difference():
