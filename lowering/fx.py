@@ -102,7 +102,7 @@ class _Target(NamedTuple):
     known: bool  # fxsched knows what the call touches (an op with a schema, torch's, operator's)
     packet: bool  # an OpOverloadPacket: which overload runs, and what it writes, depends on the call
     cast: bool
-    random: bool  # draws from the RNG
+    random: bool  # draws from the RNG (an op tagged nondeterministic_seeded, or a Python call named like one)
     clone: bool  # aten.clone.default (a bucket's copy-out when tagged so)
     heavy: bool
     attention: bool
@@ -130,6 +130,23 @@ def _python_view(name: str) -> tuple[bool, bool]:
                and not s.returns[0].alias_info.is_write for s in schemas):
         return False, False
     return True, any(map(_composite, schemas))
+
+
+def _python_random(name: str) -> bool:
+    """A Python call that draws from the RNG (`F.dropout`, `torch.rand_like`, `x.bernoulli_`):
+    named like an aten op with an overload tagged nondeterministic_seeded, or a dropout."""
+    if "dropout" in name:  # dropout1d/2d/3d and feature_alpha_dropout have no aten op of that name
+        return True
+    packet = getattr(torch.ops.aten, name, None) if name.isidentifier() else None
+    if not isinstance(packet, torch._ops.OpOverloadPacket):
+        return False
+    return any(torch.Tag.nondeterministic_seeded in getattr(packet, o).tags for o in packet.overloads())
+
+
+def _random_module(module) -> bool:
+    """A module whose forward draws from the RNG: a dropout (even in eval mode: ordering a call
+    that does not draw only costs freedom), or RReLU."""
+    return isinstance(module, (torch.nn.modules.dropout._DropoutNd, torch.nn.RReLU))
 
 
 def _classify(op: str, target) -> _Target:
@@ -177,7 +194,9 @@ def _classify(op: str, target) -> _Target:
                                                 or target is operator.getitem)),
         packet=call and isinstance(target, torch._ops.OpOverloadPacket),
         cast=schema is not None and schema.name in CAST_OPS,
-        random=isinstance(target, torch._ops.OpOverload) and torch.Tag.nondeterministic_seeded in target.tags,
+        random=(torch.Tag.nondeterministic_seeded in target.tags if isinstance(target, torch._ops.OpOverload)
+                else schema is None and (op == "call_method" or (call and module.split(".")[0] == "torch"))
+                and _python_random(short)),
         clone=call and target is torch.ops.aten.clone.default,
         heavy=call and is_heavy(name),
         attention=attention,
@@ -399,7 +418,10 @@ class _Lowering:
         if info.view:
             return self.view(node, info, base)
         writes, alias, unknown = self.writes(node, info)
-        if (unknown or not writes) and node.is_impure(impure_random=False):
+        # a random call touches the RNG state only: ordered with the other random ops, no barrier
+        # (torch calls Python's torch.rand* impure whatever impure_random says)
+        random = info.random or (kind == "call_module" and _random_module(self.gm.get_submodule(node.target)))
+        if (unknown or not writes) and not random and node.is_impure(impure_random=False):
             return Barrier(target=target, reason="side effect", heavy=info.heavy, attention=info.attention, **base)
         if unknown and writes:
             self.notes.append(f"%{node.name}: {target} is a call fxsched cannot see into: taken to write "
@@ -407,7 +429,7 @@ class _Lowering:
         alias = self.shared(node) or alias
         if info.cast and not writes:
             return Cast(target=target, alias=alias, **base)
-        return Compute(target=target, heavy=info.heavy, attention=info.attention, random=info.random, writes=writes,
+        return Compute(target=target, heavy=info.heavy, attention=info.attention, random=random, writes=writes,
                        alias=alias, **base)
 
     def view(self, node: fx.Node, info: _Target, base: dict) -> Op:

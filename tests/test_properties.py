@@ -33,6 +33,7 @@ import torch
 from hypothesis import HealthCheck, event, given, note, settings
 from hypothesis import strategies as st
 from torch import fx
+from torch._library.utils import _RANDOM_FUNCTIONS
 from torch.multiprocessing.reductions import StorageWeakRef
 
 import fxsched
@@ -109,7 +110,8 @@ def _barrier(node: fx.Node) -> bool:
     if node.op not in ("call_function", "call_method", "call_module") or _free(node) or _collective(node):
         return False
     schema = _schema(node)
-    return not (schema is not None and schema.is_mutable) and node.is_impure(impure_random=False)
+    python_random = node.op == "call_function" and node.target in _RANDOM_FUNCTIONS  # RNG state only
+    return not (schema is not None and schema.is_mutable) and not python_random and node.is_impure(impure_random=False)
 
 
 def _written(node: fx.Node) -> set:

@@ -19,7 +19,8 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 import fxsched
 from irtest import dedent, run
-from fxsched.ir import Barrier, Compute, Opaque, ParseError, View, Wait, parse_program, print_program, verify
+from fxsched.ir import (Barrier, Compute, Opaque, ParseError, VerifyError, View, Wait, parse_program, print_program,
+                        verify)
 from fxsched.ir import effects as effects_module
 verify_module = importlib.import_module("fxsched.ir.verify")
 from fxsched.lowering import lower
@@ -433,3 +434,37 @@ def test_a_free_of_a_gathered_buffer_read_after_it_names_the_node():
     g.output((late,))
     with pytest.raises(fxsched.lowering.LoweringError, match=f"%{late.name} reads storage that %{free.name} freed"):
         lower(fx.GraphModule(nn.Module(), g))
+
+
+class _RandomCalls(nn.Module):
+    """Python-level random calls as `symbolic_trace` records them: F.dropout, torch.rand_like,
+    an nn.Dropout (call_module), x.uniform_() (call_method) — and plain compute between them."""
+
+    def __init__(self):
+        super().__init__()
+        self.drop = nn.Dropout(0.5)
+
+    def forward(self, x):
+        a = F.dropout(x, 0.1)
+        b = torch.rand_like(x)
+        c = self.drop(x)
+        d = x.clone().uniform_()
+        return F.relu(a) + b + c + d
+
+
+def test_python_random_calls_share_the_rng_and_keep_their_order():
+    """Issue 12: F.dropout, torch.rand_like, nn.Dropout and x.uniform_() draw from the one
+    generator, so swapping two of them changes the numbers: they are random ops on the RNG
+    chain (torch.rand_like no longer a barrier), and a schedule that swaps two fails verify."""
+    gm = fx.symbolic_trace(_RandomCalls())
+    program = lower(gm)
+    random = [n.name for n in gm.graph.nodes if isinstance(program.op(n.name), Compute) and program.op(n.name).random]
+    assert random == ["dropout", "rand_like", "drop", "uniform_"]
+    assert not any(isinstance(op, Barrier) for op in program.ops())
+    assert {(u, v) for u, v, w in program.effect_edges() if w == "rng-order"} == set(zip(random, random[1:]))
+    for pipeline in (REFERENCE_PIPELINE, DEFAULT_PIPELINE, "sink"):
+        order = [n.name for n in fxsched.schedule(gm, pipeline).graph_module.graph.nodes]
+        assert [n for n in order if n in random] == random
+    program.schedule.move_before(["rand_like"], "dropout")  # no data edge between them: only the RNG orders them
+    with pytest.raises(VerifyError, match="rand_like"):
+        verify(program)
