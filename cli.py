@@ -462,6 +462,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help="after the IR, each pass's statistics as `// statistics PASS: key = value, ...` lines")
     opt.add_argument("--hardware", default="h100", help="cost model profile for cost-guided passes: h100 (default), "
                                                       "h200, 910b")
+    opt.add_argument("--cost-table", metavar="FILE",
+                     help="milliseconds per op for cost-guided passes: `KEY = MS` lines, KEY an op's %%name or a "
+                          "target (aten.mm.default, or aten.mm); ops it does not list cost what --hardware says")
     opt.add_argument("--reproducer", metavar="FILE",
                      help="if a pass fails, write the IR before it and the rest of the pipeline as a .fxir "
                           "file whose RUN line reproduces the failure")

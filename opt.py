@@ -61,7 +61,7 @@ def run_chunk(text: str, source: str, args, instruments) -> str:
             raise SourceError(f"{source}: error: {exc}") from None
     manager = PassManager(args.pipeline_passes, verify_each=args.verify, instruments=instruments,
                           reproducer=bool(args.reproducer))
-    result = manager.run(program, PassContext(cost_model=args.hardware))
+    result = manager.run(program, PassContext(cost_model=args.cost_model))
     text = print_program(program)
     if args.pass_statistics:  # as comments, so the output still parses
         for name, stats in result.stats().items():
@@ -82,6 +82,8 @@ def rerun_line(args, pipeline: str) -> str:
     parts = [f"-p '{pipeline}'"]
     if args.hardware != "h100":
         parts.append(f"--hardware {args.hardware}")
+    if args.cost_table:
+        parts.append(f"--cost-table {os.path.abspath(args.cost_table)}")
     if not args.verify:
         parts.append("--no-verify")
     parts += [f"--load-pass-plugin {os.path.abspath(m) if m.endswith('.py') or os.sep in m else m}"
@@ -96,6 +98,17 @@ def opt(args) -> int:
 
     check_hardware(args.hardware)
     args.pipeline_passes = parse_pipeline(args.pipeline)
+    args.cost_model = args.hardware
+    if args.cost_table:
+        from .cost.model import Roofline, parse_cost_table
+        from .cost import hardware
+
+        try:
+            with open(args.cost_table) as f:
+                table = f.read()
+        except OSError as exc:
+            raise UsageError(f"cannot read {args.cost_table}: {exc.strerror}") from None
+        args.cost_model = parse_cost_table(table, args.cost_table, Roofline(hardware(args.hardware)))
     source = "<stdin>" if args.input == "-" else args.input
     try:
         text = sys.stdin.read() if args.input == "-" else open(args.input).read()

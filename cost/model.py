@@ -238,14 +238,18 @@ class Callback(CostModel):
 @attrs.frozen
 class Measured(CostModel):
     """Measured milliseconds by target name; the exact target wins over its packet name
-    (`aten.mm.default` over `aten.mm`). Ops not in the table go to `fallback`; inputs,
-    constants, markers and the output are never looked up."""
+    (`aten.mm.default` over `aten.mm`), and an op's own name (`names`, e.g. {"m2": 3.0}) over
+    both. Ops not in the table go to `fallback`; inputs, constants, markers and the output are
+    never looked up."""
 
     table: Mapping[str, float] = attrs.field(converter=lambda m: dict(m))
     fallback: CostModel = attrs.field(factory=Roofline)
+    names: Mapping[str, float] = attrs.field(factory=dict, converter=lambda m: dict(m))
 
     def op_ms(self, op: Op, program: Program) -> float:
         target = getattr(op, "target", "")
+        if not isinstance(op, (Marker, Output, *STATIC)) and op.name in self.names:
+            return float(self.names[op.name])
         if target and not isinstance(op, (Marker, Output, *STATIC)):
             if target in self.table:
                 return float(self.table[target])
@@ -256,6 +260,32 @@ class Measured(CostModel):
 
     def collective_ms(self, kind: str, nbytes: int, group_size: int | None) -> float:
         return self.fallback.collective_ms(kind, nbytes, group_size)
+
+
+def parse_cost_table(text: str, source: str = "<cost table>", fallback: CostModel | None = None) -> Measured:
+    """A cost table file (`fxsched opt --cost-table FILE`): one `KEY = MS` a line, KEY an op's
+    name (`%m2`) or a target (`aten.mm.default`, or the packet `aten.mm`), MS a finite
+    non-negative number of milliseconds; blank lines and lines starting with `#` or `//` are
+    skipped. Ops it does not list cost what `fallback` (the hardware's roofline) says."""
+    names, targets = {}, {}
+    for number, line in enumerate(text.splitlines(), 1):
+        line = line.strip()
+        if not line or line.startswith(("#", "//")):
+            continue
+        key, eq, value = line.partition("=")
+        key, value = key.strip(), value.strip()
+        try:
+            ms = float(value)
+        except ValueError:
+            ms = math.nan
+        if not eq or not key or key == "%" or not math.isfinite(ms) or ms < 0:
+            raise CostModelError(f"{source}:{number}: expected KEY = MS (KEY an op %name or a target, MS a finite "
+                                 f"non-negative number of milliseconds), got {line!r}")
+        table = names if key.startswith("%") else targets
+        if key.lstrip("%") in table:
+            raise CostModelError(f"{source}:{number}: {key} is given twice")
+        table[key.lstrip("%")] = ms
+    return Measured(targets, fallback=fallback or Roofline(), names=names)
 
 
 def as_cost_model(spec: Any = None) -> CostModel:

@@ -175,6 +175,49 @@ def test_the_ir_and_passes_and_opt_do_not_import_torch(tmp_path):
     assert "NumPy" not in done.stderr
 
 
+TWO_GATHERS = """\
+%x = input
+%w1 = input
+%w2 = input
+^entry
+%a1 = launch "ag"(%w1) {group = "0", role = fsdp_all_gather, nbytes = 1000, params = ["w1"]}
+%t1 = wait(%a1)
+%m1 = compute "mm"(%x, %t1)
+%c1 = compute "c"(%m1)
+%c2 = compute "c"(%c1)
+%c3 = compute "c"(%c2)
+%c4 = compute "c"(%c3)
+%a2 = launch "ag"(%w2) {group = "0", role = fsdp_all_gather, nbytes = 1000, params = ["w2"]}
+%t2 = wait(%a2)
+%m2 = compute "mm"(%c4, %t2)
+%output = output(%m2)
+"""
+
+
+def test_a_cost_table_prices_ops_by_target_and_by_name_and_names_its_bad_line(tmp_path):
+    """`--cost-table`: by target a2 (2 ms) launches at 3 ms, before c3 (hide.fxir); an op's own
+    %name wins over its target: c3 free and a2 3 ms move it to 1 ms, before c1. A bad line is
+    an input error naming file and line; a reproducer reruns with the table."""
+    table = tmp_path / "costs.table"
+    table.write_text("# ms\nc = 1.0\nmm = 1.0\nag = 2.0\n")
+    done = fxsched("opt", "-p", "hide,prefetch", "--cost-table", str(table), stdin=TWO_GATHERS)
+    assert done.returncode == 0, done.stderr
+    assert "anchor = %c3, prefetched}" in done.stdout
+    table.write_text(table.read_text() + "%c3 = 0\n%a2 = 3.0\n")
+    done = fxsched("opt", "-p", "hide,prefetch", "--cost-table", str(table), stdin=TWO_GATHERS)
+    assert "anchor = %c1, prefetched}" in done.stdout
+    table.write_text("c = 1.0\n\nmm = fast\n")
+    done = fxsched("opt", "-p", "hide", "--cost-table", str(table), stdin=TWO_GATHERS)
+    assert done.returncode == 2 and done.stdout == ""
+    assert done.stderr.startswith(f"fxsched: {table}:3: expected KEY = MS") and "'mm = fast'" in done.stderr
+    for bad in ("c = -1", "c = nan", "c 1.0", "= 1", "c = 1\nc = 2"):
+        table.write_text(bad + "\n")
+        done = fxsched("opt", "-p", "hide", "--cost-table", str(table), stdin=TWO_GATHERS)
+        assert done.returncode == 2 and done.stderr.startswith(f"fxsched: {table}:"), (bad, done.stderr)
+    missing = fxsched("opt", "-p", "hide", "--cost-table", str(tmp_path / "none"), stdin=TWO_GATHERS)
+    assert missing.returncode == 2 and "cannot read" in missing.stderr
+
+
 def test_version_from_python_dash_m():
     from fxsched import __version__
 
