@@ -392,6 +392,10 @@ def parse_program(text: str) -> Program:
                 line.i = next(i for i, t in enumerate(line.tokens) if t[1] == f"%{operand}")
                 line.error(f"%{operand} is not defined")
             program.graph.add_edge(operand, op.name, kind=DATA)
+        for ref in (*op.writes, *((op.alias,) if op.alias is not None else ())):
+            if ref not in defined:  # the effects below look them up (verify says they must be operands)
+                line.i = next(i for i, t in enumerate(line.tokens) if t[1] == f"%{ref}")
+                line.error(f"%{ref} is not defined")
     program.schedule = Schedule(order)
     try:
         derive_effects(program)

@@ -338,6 +338,9 @@ def test_an_empty_pipeline_runs_nothing():
     ("hello\n", (1, 1), "expected ref, found 'hello'"),
     ("%x = input\n^backward %x\n", (2, 11), "a marker stands alone on its line"),
     ("%x = input\neffect %x -> %nope\n", (2, 14), "%nope is not defined"),
+    # found by scripts/fuzz.py --examples 10000 (a KeyError in the effects before)
+    ("%x = input\n%a = compute(%x) {writes = [%nope], alias = %x}\n", (2, 29), "%nope is not defined"),
+    ("%x = input\n%a = compute(%x) {writes = [%x], alias = %nope}\n", (2, 42), "%nope is not defined"),
 ])
 def test_malformed_ir_text_names_line_and_column(text, where, message):
     with pytest.raises(ParseError) as info:
