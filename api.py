@@ -19,6 +19,7 @@ from .ir.gcpause import gc_paused
 from .ir import tags
 from .lowering import lower
 from .passes import DEFAULT_PIPELINE, Instrument, PassContext, PassManager, PipelineResult, Timing
+from .passes.memory_cap import with_cap
 from .raising import raise_in_place, raise_program
 
 LOG = logging.getLogger("fxsched")
@@ -69,7 +70,8 @@ def gather_table(program: Program, earlier: frozenset[str] = frozenset()) -> lis
 
 def schedule(gm: fx.GraphModule, pipeline: str = DEFAULT_PIPELINE, *, verify_each: bool = True,
              timing: bool = False, instruments: list[Instrument] | None = None,
-             cost_model: Any = None, verify_lowered: bool | None = None) -> ScheduleResult:
+             cost_model: Any = None, verify_lowered: bool | None = None, max_peak_gb: float | None = None,
+             max_peak_increase_gb: float | None = None) -> ScheduleResult:
     """Lower `gm` (left untouched), run `pipeline`, and raise a fresh, linted GraphModule.
 
     `pipeline` is pipeline text or a name (`default`, `reference`); `cost_model` is what
@@ -77,7 +79,11 @@ def schedule(gm: fx.GraphModule, pipeline: str = DEFAULT_PIPELINE, *, verify_eac
     `fxsched.cost.model.CostModel`, a {target: ms} table or a function op -> ms; H100 when None).
     `verify_lowered`: verify the lowered program before the first pass as well (see `_schedule`;
     None: when FXSCHED_VERIFY_LOWERED=1, as in the tests).
+    `max_peak_gb` / `max_peak_increase_gb` put a hard cap on the simulated peak memory (GiB, or
+    GiB over the input's peak; both: the smaller) that every pass honours: the pipeline runs
+    with `memory-cap{...}` first (`fxsched.passes.memory_cap`).
     """
+    pipeline = with_cap(pipeline, max_peak_gb, max_peak_increase_gb)
     done = _schedule(gm, pipeline, raise_program, verify_each=verify_each, timing=timing,
                      instruments=instruments, cost_model=cost_model, verify_lowered=verify_lowered)
     # Tag what this run moved, as the drop-in does: lowering reads the tag back, so scheduling

@@ -385,6 +385,12 @@ def build_parser() -> argparse.ArgumentParser:
                           help="passes as text, e.g. 'anchor{forward-depth=2},budget,prefetch,sink', or a "
                                "named pipeline: default (the default), reference; `fxsched passes` lists passes, "
                                "their options and the named pipelines")
+    pipeline.add_argument("--max-peak-gb", type=float, metavar="GIB",
+                          help="hard cap on the simulated peak memory, in GiB, honoured by every pass (the "
+                               "pipeline runs with memory-cap{...} first)")
+    pipeline.add_argument("--max-peak-increase-gb", type=float, metavar="GIB",
+                          help="hard cap as an increase over the input's simulated peak, in GiB (0: no increase; "
+                               "with --max-peak-gb: the smaller)")
     pipeline.add_argument("--hardware", default="h100",
                           help="cost model profile for cost-guided passes and the simulation: h100 (default), "
                                "h200, 910b")
@@ -492,6 +498,10 @@ def main(argv: list[str] | None = None) -> int:
     with log_to(sys.stderr, logging.INFO) if args.verbose else contextlib.nullcontext():
         try:
             load_plugins(args.load_pass_plugin)
+            if getattr(args, "max_peak_gb", None) is not None or getattr(args, "max_peak_increase_gb", None) is not None:
+                from .passes.memory_cap import with_cap  # a bad value is a ConfigError: exit 2
+
+                args.pipeline = with_cap(args.pipeline, args.max_peak_gb, args.max_peak_increase_gb)
             return args.run(args)
         except (UsageError, InputError) as exc:  # every kind of bad input (ir/errors.py): exit 2
             print(f"fxsched: {exc}", file=sys.stderr)

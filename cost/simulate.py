@@ -151,60 +151,18 @@ def _simulate(program: Program, model: Any, costs: Mapping[str, float] | None, r
     step = max(t, max(stream_free.values(), default=0.0))
 
     # ---- memory -------------------------------------------------------------------------
-    pos = {n: i for i, n in enumerate(order)}
-    root: dict[str, str] = {}
-    for name in order:
-        op = ops[name]
-        base = op.operands[0] if _alias_base(op) else None
-        root[name] = root.get(base, base) if base is not None else name
-    release_at: dict[str, int] = {}   # storage root -> position after which it is released
-    freed_at: dict[str, int] = {}
-    returned: set[str] = set()        # storage the output returns: live to the end
-    for name in order:
-        op = ops[name]
-        if _alias_base(op):
-            continue
-        if isinstance(op, Output):
-            returned.update(root[o] for o in op.operands)
-            continue
-        i = pos[name]
-        for operand in op.operands:
-            r = root[operand]
-            if release_at.get(r, -1) < i:
-                release_at[r] = i
-        if isinstance(op, Free) and op.operands:
-            r = root[op.operands[0]]
-            freed_at.setdefault(r, i)
-    releases: dict[int, list[str]] = {}
-    alloc: dict[str, int] = {}
-    for name in order:
-        op = ops[name]
-        if _alias_base(op):
-            continue
-        size = op.nbytes_out
-        if not size and isinstance(op, Launch):
-            size = op.nbytes or 0   # a gather whose type is unknown: its tagged unsharded size
-        if size <= 0:
-            continue
-        alloc[name] = size
-        if isinstance(op, STATIC) or (name in returned and name not in freed_at):
-            continue  # inputs and constants live throughout, results the graph returns to its end
-        i = pos[name]
-        at = freed_at.get(name, release_at.get(name, i))
-        releases.setdefault(max(at, i), []).append(name)
-    live = sum(alloc[n] for n in order if isinstance(ops[n], STATIC) and n in alloc)
-    peak, peak_at = live, None
+    profile = _memory(order, ops)
+    alloc = profile.alloc
     memory: list[tuple[float, int]] = []
-    for i, name in enumerate(order):
-        op = ops[name]
-        if not isinstance(op, STATIC):
-            live += alloc.get(name, 0)
-        if live > peak:
-            peak, peak_at = live, name
-        for gone in releases.get(i, ()):
-            live -= alloc[gone]
-        if record:
+    if record:
+        live = profile.statics
+        for i, name in enumerate(order):
+            if not isinstance(ops[name], STATIC):
+                live += alloc.get(name, 0)
+            for gone in profile.releases.get(i, ()):
+                live -= alloc[gone]
             memory.append((times[i], live))
+    peak, peak_at = profile.peak_bytes, profile.peak_at
 
     # ---- gathered bytes in flight ---------------------------------------------------------
     steps: list[tuple[float, int]] = []
@@ -233,3 +191,94 @@ def _simulate(program: Program, model: Any, costs: Mapping[str, float] | None, r
         issued_ms=issued, started_ms=started,
         events=tuple(events), memory=tuple(memory),
     )
+
+
+@attrs.frozen
+class MemoryProfile:
+    """Live bytes along a schedule, as `simulate` counts them (no costs needed).
+
+    `live[i]` is what is live just after op i allocated its results, before its releases (the
+    peak is the largest of these, or of the inputs and constants alone); `alloc` the bytes each
+    allocating op holds; `root` each op's storage (a view's or wait's base, followed); `order`
+    the schedule it was taken on."""
+
+    order: tuple[str, ...]
+    live: tuple[int, ...]
+    peak_bytes: int
+    peak_at: str | None
+    alloc: Mapping[str, int]
+    root: Mapping[str, str]
+    statics: int
+    releases: Mapping[int, list[str]]
+
+
+def alloc_bytes(op) -> int:
+    """What an op holds once it ran: its results' bytes (a gather of unknown type: its tagged
+    unsharded size); views and waits alias their base and hold nothing."""
+    if _alias_base(op):
+        return 0
+    size = op.nbytes_out
+    if not size and isinstance(op, Launch):
+        size = op.nbytes or 0
+    return max(size or 0, 0)
+
+
+def memory_profile(program: Program) -> MemoryProfile:
+    """The memory half of `simulate`, O(N + edges): live bytes after each op of the schedule."""
+    with gc_paused():
+        order = program.schedule.names()
+        nodes = program.graph.nodes
+        return _memory(order, {n: nodes[n]["op"] for n in order})
+
+
+def _memory(order: list[str], ops: Mapping[str, Any]) -> MemoryProfile:
+    pos = {n: i for i, n in enumerate(order)}
+    root: dict[str, str] = {}
+    for name in order:
+        op = ops[name]
+        base = op.operands[0] if _alias_base(op) else None
+        root[name] = root.get(base, base) if base is not None else name
+    release_at: dict[str, int] = {}   # storage root -> position after which it is released
+    freed_at: dict[str, int] = {}
+    returned: set[str] = set()        # storage the output returns: live to the end
+    for name in order:
+        op = ops[name]
+        if _alias_base(op):
+            continue
+        if isinstance(op, Output):
+            returned.update(root[o] for o in op.operands)
+            continue
+        i = pos[name]
+        for operand in op.operands:
+            r = root[operand]
+            if release_at.get(r, -1) < i:
+                release_at[r] = i
+        if isinstance(op, Free) and op.operands:
+            r = root[op.operands[0]]
+            freed_at.setdefault(r, i)
+    releases: dict[int, list[str]] = {}
+    alloc: dict[str, int] = {}
+    for name in order:
+        op = ops[name]
+        size = alloc_bytes(op)
+        if size <= 0:
+            continue
+        alloc[name] = size
+        if isinstance(op, STATIC) or (name in returned and name not in freed_at):
+            continue  # inputs and constants live throughout, results the graph returns to its end
+        i = pos[name]
+        at = freed_at.get(name, release_at.get(name, i))
+        releases.setdefault(max(at, i), []).append(name)
+    statics = live = sum(alloc[n] for n in order if isinstance(ops[n], STATIC) and n in alloc)
+    peak, peak_at = live, None
+    curve: list[int] = []
+    for i, name in enumerate(order):
+        op = ops[name]
+        if not isinstance(op, STATIC):
+            live += alloc.get(name, 0)
+        curve.append(live)
+        if live > peak:
+            peak, peak_at = live, name
+        for gone in releases.get(i, ()):
+            live -= alloc[gone]
+    return MemoryProfile(tuple(order), tuple(curve), peak, peak_at, alloc, root, statics, releases)

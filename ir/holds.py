@@ -67,3 +67,8 @@ HIDDEN = register_hold("hidden where it is",
                        "the cost model says its communication already ends before its consumer needs it")
 NOT_HIDDEN = register_hold("cannot be hidden", "even its earliest legal launch leaves some communication exposed "
                                                "(the cost model says so)")
+
+# ---- the joint peak-memory cap (passes/memory_cap.py): any pass that raises memory ------
+OVER_PEAK_CAP = register_hold("over peak cap", "moving or rewriting it would raise the simulated peak memory over "
+                                               "the cap (memory-cap, --max-peak-gb / --max-peak-increase-gb, or "
+                                               "unshard's own max-peak-gb / max-peak-increase-gb)")

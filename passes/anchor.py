@@ -16,13 +16,14 @@ from ..ir import Launch, Phase, Program
 from ..ir.holds import DEPTH_0, FIRST_GROUP, NO_CONSUMER
 from .base import ModulePass, PassContext, PassResult, check_depth, option, register_pass
 from .gathers import Gather, GatherAnalysis, held_by_lowering
+from .memory_cap import MemoryAnalysis
 
 
 @register_pass
 @dataclasses.dataclass(frozen=True)
 class Anchor(ModulePass):
     name = "anchor"
-    preserves = (GatherAnalysis,)
+    preserves = (GatherAnalysis, MemoryAnalysis)  # it sets anchors, moves nothing
     reorders_only = True
 
     forward_depth: int = option(1, "launch each forward gather group this many consumer groups early (0: no prefetch)")

@@ -55,6 +55,8 @@ class PassContext:
     `planned` is the order an anchoring pass planned the gathers' launches in, when it is not
     the entry order: `hide` sets it (the order the gathers are needed in, which a second run
     over the pipeline's own output sees the same); `sink` stacks realizations in it.
+    `peak_cap` is the peak-memory cap in force (a `memory_cap.PeakCap`, set by the `memory-cap`
+    pass; None: none), which every pass that raises memory honours.
     """
 
     def __init__(self, **options: Any):
@@ -62,12 +64,14 @@ class PassContext:
         self.options = options
         self.entry: Schedule | None = None
         self.planned: tuple[str, ...] | None = None
+        self.peak_cap = None
 
     def begin(self, program: Program) -> None:
         """A pipeline starts on `program`: forget analyses of anything else, record its order."""
         self._cache.clear()
         self.entry = program.schedule.copy()
         self.planned = None
+        self.peak_cap = None
 
     def get(self, kind: type[Analysis], program: Program):
         if self.entry is None:

@@ -14,87 +14,13 @@ import dataclasses
 import attrs
 
 from ..ir import Launch, Program
-from ..ir.holds import OVER_BUDGET, UNKNOWN_SIZE
+from ..ir.holds import OVER_BUDGET, OVER_PEAK_CAP, UNKNOWN_SIZE
 from .base import ModulePass, PassContext, PassResult, check_budget, option, register_pass
 from .gathers import Gather, GatherAnalysis
+from .memory_cap import MemoryAnalysis, headroom
+from .maxtree import MaxTree  # order-gathers and overlap-reduce-scatter import it from here too
 from .placement import NO_EARLIER_SLOT, plan
 
-
-
-class MaxTree:
-    """Range add, range max over [0, n) (bottom-up lazy segment tree).
-
-    The budgeted passes call it a few times per collective, so the walks are written out with
-    no method call per visited tree node (those calls cost more than the work they did).
-    """
-
-    def __init__(self, n: int):
-        self.n = max(1, n)
-        self.h = self.n.bit_length()
-        self.t = [0] * (2 * self.n)
-        self.d = [0] * self.n
-
-    def _build(self, p: int) -> None:
-        """Recompute the ancestors of node p from their children, bottom up."""
-        t, d = self.t, self.d
-        while p > 1:
-            p >>= 1
-            a, b = t[2 * p], t[2 * p + 1]
-            t[p] = (a if a > b else b) + d[p]
-
-    def _push(self, p: int) -> None:
-        """Hand the pending adds of node p's ancestors down, top down."""
-        t, d, n = self.t, self.d, self.n
-        for s in range(self.h, 0, -1):
-            i = p >> s
-            if i and d[i]:
-                value = d[i]
-                for child in (2 * i, 2 * i + 1):
-                    t[child] += value
-                    if child < n:
-                        d[child] += value
-                d[i] = 0
-
-    def add(self, lo: int, hi: int, value: int) -> None:
-        t, d, n = self.t, self.d, self.n
-        lo += n
-        hi += n
-        l0, r0 = lo, hi
-        while lo < hi:
-            if lo & 1:
-                t[lo] += value
-                if lo < n:
-                    d[lo] += value
-                lo += 1
-            if hi & 1:
-                hi -= 1
-                t[hi] += value
-                if hi < n:
-                    d[hi] += value
-            lo >>= 1
-            hi >>= 1
-        self._build(l0)
-        self._build(r0 - 1)
-
-    def max(self, lo: int, hi: int) -> int:
-        t = self.t
-        lo += self.n
-        hi += self.n
-        self._push(lo)
-        self._push(hi - 1)
-        best = 0
-        while lo < hi:
-            if lo & 1:
-                if t[lo] > best:
-                    best = t[lo]
-                lo += 1
-            if hi & 1:
-                hi -= 1
-                if t[hi] > best:
-                    best = t[hi]
-            lo >>= 1
-            hi >>= 1
-        return best
 
 
 class _InFlight:
@@ -162,7 +88,7 @@ class _InFlight:
 @dataclasses.dataclass(frozen=True)
 class Budget(ModulePass):
     name = "budget"
-    preserves = (GatherAnalysis,)
+    preserves = (GatherAnalysis, MemoryAnalysis)  # it plans on a copy: the schedule stays
     reorders_only = True
     after = ("anchor", "hide")
 
@@ -176,12 +102,23 @@ class Budget(ModulePass):
         limit = int(self.max_in_flight_gb * 2**30)
         stats = {"admitted": 0, OVER_BUDGET: 0, UNKNOWN_SIZE: 0, NO_EARLIER_SLOT: 0, "budget_bytes": limit}
         flight = _InFlight(program, analysis, limit)
+        room = headroom(ctx, program)  # the joint peak-memory cap, when one is in force
+        if room is not None:
+            stats[OVER_PEAK_CAP] = 0
         for g in analysis.gathers:  # gathers moved by an earlier run stay in flight
             if program.op(g.launch).prefetched:
                 flight.keep(g)
 
         def admit(g: Gather, target: str) -> str | None:
-            return OVER_BUDGET if limit == 0 else flight.admit(g, target)
+            if limit == 0:
+                return OVER_BUDGET
+            move = room.earlier(g.chain, target) if room is not None else None
+            if room is not None and move is None:
+                return OVER_PEAK_CAP
+            reason = flight.admit(g, target)
+            if reason is None and move is not None:
+                move.take()
+            return reason
 
         changed = False
         for g, _, reason in plan(program, analysis, program.schedule.copy(), admit):

@@ -22,6 +22,7 @@ from ..ir import Launch, Program, Role, View
 from ..ir.holds import HIDDEN, NOT_HIDDEN  # NOT_HIDDEN: still anchored, as early as legal exposes the least
 from .base import ModulePass, PassContext, PassResult, register_pass
 from .gathers import Gather, GatherAnalysis, held_by_lowering
+from .memory_cap import MemoryAnalysis
 
 
 
@@ -29,7 +30,7 @@ from .gathers import Gather, GatherAnalysis, held_by_lowering
 @dataclasses.dataclass(frozen=True)
 class Hide(ModulePass):
     name = "hide"
-    preserves = (GatherAnalysis, CostAnalysis)
+    preserves = (GatherAnalysis, CostAnalysis, MemoryAnalysis)  # it sets anchors, moves nothing
     reorders_only = True
 
     def apply(self, ctx: PassContext, program: Program) -> PassResult:

@@ -22,6 +22,7 @@ from ..ir import Program, print_program, verify, verify_moves
 from ..ir.errors import InputError, InternalError
 from .pipelines import PIPELINES
 from .base import PASSES, ModulePass, PassContext, PassResult, _format
+from .memory_cap import check_peak
 from .plugins import load_entry_points
 
 
@@ -32,6 +33,10 @@ class PipelineError(InputError):
 
 class StaleAnalysis(InternalError):
     """An analysis kept across a pass differs from one computed afresh after it."""
+
+
+class PeakCapExceeded(InternalError):
+    """A pass left the simulated peak memory over the cap in force (`memory-cap`)."""
 
 
 class PassFailure(InternalError):
@@ -283,6 +288,10 @@ class PassManager:
                         moves_only = []
                 except ValueError as exc:
                     raise failure(i, exc, "left an invalid program") from exc
+            if result.changed and ctx.peak_cap is not None:  # every pass honours the joint cap: check it did
+                over = check_peak(ctx, program)
+                if over is not None:
+                    raise failure(i, PeakCapExceeded(over), "raised the peak memory over the cap")
             if self.check_analyses:  # on the verified program: every kept analysis as if fresh
                 try:
                     self._check_analyses(ctx, program)

@@ -21,6 +21,7 @@ from ..ir import Cast, Compute, Launch, Program, Role, View, Wait
 from .base import ModulePass, PassContext, PassResult, check_budget, option, register_pass
 from .budget import MaxTree
 from .gathers import GatherAnalysis
+from .memory_cap import OVER_PEAK_CAP, Headroom, headroom
 from .sink import sink_in_order
 
 
@@ -45,14 +46,18 @@ class OverlapReduceScatter(ModulePass):
         # positions between a launch and its new wait never shift out of order
         tree = MaxTree(len(schedule) + 1)
         stats = {"hoisted": 0, "overlapped": 0, "over budget": 0, "in place": 0}
+        # the joint peak-memory cap: a hoisted launch holds its result earlier, a sunk cast keeps
+        # what it reads alive longer (a wait holds nothing: moving it is free)
+        room = headroom(ctx, program)
         if self.hoist:
-            stats["hoisted"] = sum(_hoist(program, name) for name in launches)
+            stats["hoisted"] = sum(_hoist(program, name, room) for name in launches)
+        tail_sunk = 0  # moves too, even where no wait follows them
         for name in launches:
             waits = [u for u in program.users(name) if isinstance(program.op(u), Wait)]
             wait = waits[0]
             # views of the result (a bucket's per-parameter slices) and casts of it (to the
             # gradient's dtype) go down to their uses first, so that the wait can follow them
-            sink_in_order(program, sorted(_tail_of(program, wait), key=schedule.index))
+            tail_sunk += sink_in_order(program, sorted(_tail_of(program, wait), key=schedule.index), room)
             succ = program.graph.succ[wait]
             if not succ:
                 stats["in place"] += 1
@@ -69,13 +74,17 @@ class OverlapReduceScatter(ModulePass):
                 continue
             tree.add(lo, hi, nbytes)
             schedule.move_before([wait], target)
+            if room is not None:
+                room.moved([wait], target)
             stats["overlapped"] += 1
-        return PassResult(stats["hoisted"] + stats["overlapped"] > 0, stats)
+        if room is not None:
+            stats[OVER_PEAK_CAP] = room.refused
+        return PassResult(stats["hoisted"] + stats["overlapped"] + tail_sunk > 0, stats)
 
 
-def _hoist(program: Program, launch: str) -> bool:
+def _hoist(program: Program, launch: str, room: Headroom | None = None) -> bool:
     """Move `launch` and the views that feed only it to just after their latest other
-    predecessor. Returns whether it moved."""
+    predecessor, if that fits under the peak cap (`room`). Returns whether it moved."""
     schedule = program.schedule
     pred = program.graph.pred
     members = program.private_feeders(launch, (View,))
@@ -86,7 +95,12 @@ def _hoist(program: Program, launch: str) -> bool:
         at += 1
     if not chain:
         return False
+    move = room.earlier(chain, schedule[at]) if room is not None else None
+    if room is not None and move is None:
+        return False
     schedule.move_before(chain, schedule[at])
+    if move is not None:
+        move.take()
     return True
 
 

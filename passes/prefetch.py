@@ -13,6 +13,7 @@ import attrs
 from ..ir import Phase, Program
 from .base import ModulePass, PassContext, PassResult, register_pass
 from .gathers import GatherAnalysis
+from .memory_cap import OVER_PEAK_CAP, headroom
 from .placement import NO_EARLIER_SLOT, plan
 
 
@@ -27,13 +28,27 @@ class Prefetch(ModulePass):
     def apply(self, ctx: PassContext, program: Program) -> PassResult:
         analysis = ctx.get(GatherAnalysis, program)
         stats = {"forward": 0, "backward": 0, NO_EARLIER_SLOT: 0, "moved_nodes": 0}
-        for g, target, reason in plan(program, analysis, program.schedule):
+        room = headroom(ctx, program)  # the joint peak-memory cap, when one is in force
+
+        def admit(g, target: str) -> str | None:
+            if room is None:
+                return None
+            move = room.earlier(g.chain, target)
+            if move is None:
+                return OVER_PEAK_CAP
+            move.take()
+            return None
+
+        if room is not None:
+            stats[OVER_PEAK_CAP] = 0
+        for g, target, reason in plan(program, analysis, program.schedule, admit):
             op = program.op(g.launch)
-            if reason is not None:  # only NO_EARLIER_SLOT: prefetch admits everything unheld
+            if reason is not None:  # NO_EARLIER_SLOT, or over the peak cap: it admits everything else unheld
                 stats[reason] += 1
                 program.replace(attrs.evolve(op, hold=reason))
                 continue
             stats["forward" if g.phase is Phase.FORWARD else "backward"] += 1
             stats["moved_nodes"] += len(g.chain)
             program.replace(attrs.evolve(op, prefetched=True))
-        return PassResult(stats["forward"] + stats["backward"] > 0 or stats[NO_EARLIER_SLOT] > 0, stats)
+        return PassResult(stats["forward"] + stats["backward"] > 0 or stats[NO_EARLIER_SLOT] > 0
+                          or stats.get(OVER_PEAK_CAP, 0) > 0, stats)

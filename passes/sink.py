@@ -23,6 +23,7 @@ from ..ir import DATA, Program
 from ..ir.errors import ConfigError
 from .base import ModulePass, PassContext, PassResult, option, register_pass
 from .gathers import GatherAnalysis
+from .memory_cap import OVER_PEAK_CAP, Headroom, headroom
 
 
 @register_pass
@@ -48,13 +49,16 @@ class Sink(ModulePass):
             gathers = sorted(gathers, key=lambda g: rank.get(g.launch, len(rank)))
         elif self.order == "wait":
             gathers = sorted(gathers, key=lambda g: min(map(pos, g.realization)))
-        sunk = sum(sink_in_order(program, sorted(g.realization, key=pos)) for g in gathers)
-        return PassResult(sunk > 0, {"sunk": sunk})
+        room = headroom(ctx, program)  # the joint peak-memory cap: a copy-out sunk keeps its bucket alive
+        sunk = sum(sink_in_order(program, sorted(g.realization, key=pos), room) for g in gathers)
+        stats = {"sunk": sunk} if room is None else {"sunk": sunk, OVER_PEAK_CAP: room.refused}
+        return PassResult(sunk > 0, stats)
 
 
-def sink_in_order(program: Program, nodes: tuple[str, ...] | list[str]) -> int:
+def sink_in_order(program: Program, nodes: tuple[str, ...] | list[str], room: Headroom | None = None) -> int:
     """Sink `nodes` (in schedule order), latest first, each to just before the earliest of its
-    successors and of the next node that was sunk; nodes nobody reads stay. Returns the count."""
+    successors and of the next node that was sunk; nodes nobody reads stay, and so do nodes
+    whose move would go over the peak cap (`room`). Returns the count."""
     schedule = program.schedule
     pos = schedule.index
     succ = program.successors  # the raw adjacency: networkx's views cost more than this loop
@@ -68,7 +72,11 @@ def sink_in_order(program: Program, nodes: tuple[str, ...] | list[str]) -> int:
         if after is not None and pos(after) < pos(target):
             target = after
         if pos(target) > pos(name) + 1:
-            schedule.move_before([name], target)
-            sunk += 1
+            move = room.later(name, target) if room is not None else None
+            if room is None or move is not None:
+                schedule.move_before([name], target)
+                sunk += 1
+                if move is not None:
+                    move.take()
         after = name
     return sunk

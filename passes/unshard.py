@@ -14,7 +14,9 @@ the backward computes bitwise the same.
 Candidates go best first — the most exposed communication per byte held, then the most
 communication per byte — and each is taken only if the program's simulated peak memory with
 it stays within the cap: `max-peak-gb` when set, else the input's simulated peak plus
-`max-peak-increase-gb` (both set: the smaller), and, with `min-saved-ms`, only if it shortens
+`max-peak-increase-gb` (both set: the smaller; neither: the joint cap of a `memory-cap` before it,
+or without one the input's peak; its own options only tighten a joint cap), and, with
+`min-saved-ms`, only if it shortens
 the simulated step by that much. Every candidate not taken says why in the
 statistics and, when its launch has no reason yet, in its `hold`. Run it after the
 scheduling passes (`default,unshard{...}`), so the cap is checked on the final order.
@@ -31,14 +33,14 @@ import attrs
 from ..cost.model import CostAnalysis
 from ..cost.simulate import simulate
 from ..ir import DATA, Cast, Free, Launch, Program, Role, Wait, storage_root
-from ..ir.holds import register_hold
+from ..ir.holds import OVER_PEAK_CAP, register_hold
 from ..ir.rewriter import Rewriter
 from .base import ModulePass, PassContext, PassResult, check_budget, option, register_pass
+from .memory_cap import cap_bytes, resolve_cap
 
 GIB = 1 << 30
 
-OVER_CAP = register_hold("over peak cap", "unshard: keeping its forward replica for the backward would raise "
-                                           "the simulated peak memory over the cap (max-peak-gb, max-peak-increase-gb)")
+OVER_CAP = OVER_PEAK_CAP  # keeping its forward replica for the backward would go over the cap
 NO_FORWARD_REPLICA = register_hold("no forward replica", "unshard: no single forward gather of the same shard, "
                                                          "group and type whose replica the forward frees")
 BUCKETED = register_hold("bucketed", "unshard: it gathers a bucket; only single-parameter re-gathers are unsharded")
@@ -80,16 +82,18 @@ class Unshard(ModulePass):
             raise ValueError(f"{self.name}: min-saved-ms must be a finite non-negative number of ms, "
                              f"got {self.min_saved_ms!r}")
 
-    def cap_bytes(self, input_peak: int) -> float:
-        cap = self.max_peak_gb * GIB if self.max_peak_gb > 0 else float("inf")
-        if self.max_peak_gb == 0 or self.max_peak_increase_gb > 0:
-            cap = min(cap, input_peak + self.max_peak_increase_gb * GIB)
-        return cap
+    def cap_bytes(self, input_peak: int, joint: float | None = None) -> float:
+        """Its own cap, or the joint one (`memory-cap`) in force when its options are unset;
+        its own options only tighten a joint cap."""
+        own = resolve_cap(self.max_peak_gb, self.max_peak_increase_gb, input_peak)
+        if joint is None:
+            return own
+        return joint if self.max_peak_gb == 0 and self.max_peak_increase_gb == 0 else min(own, joint)
 
     def apply(self, ctx: PassContext, program: Program) -> PassResult:
         costs = ctx.get(CostAnalysis, program).ms
         before = current = simulate(program, costs=costs)
-        cap = self.cap_bytes(before.peak_bytes)
+        cap = self.cap_bytes(before.peak_bytes, cap_bytes(ctx))
         candidates, held = find_candidates(program)
         pos = program.schedule.index
 

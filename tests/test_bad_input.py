@@ -564,6 +564,28 @@ def test_a_rerun_with_a_lower_budget_reports_the_gathers_it_left_not_moves():
     assert "3 left where an earlier run moved them" in text
     assert ("%all_gather_into_tensor_default_3 (fwd" in text and "    stays where an earlier run moved it (no pass "
             "moves a launch later): this run: over budget: " in text)
+@pytest.mark.parametrize("raw,shown", [("-1", "must be a finite non-negative number of GiB, got -1.0"),
+                                       ("nan", "must be a finite non-negative number of GiB, got nan"),
+                                       ("inf", "must be a finite non-negative number of GiB, got inf"),
+                                       ("1e300", "must be at most 8.58993e+09 GiB, got 1e+300")])
+def test_a_bad_peak_cap_names_the_option_everywhere(raw, shown, capsys):
+    from fxsched.cli import main
+
+    for option in ("max-peak-gb", "max-peak-increase-gb"):
+        message = re.escape(f"memory-cap: {option} {shown}")
+        with pytest.raises(PipelineError, match=message):   # pipeline text
+            parse_pipeline(f"memory-cap{{{option}={raw}}},default")
+        with pytest.raises(ConfigError, match=message):     # the API
+            fxsched.schedule(plain(), **{option.replace("-", "_"): float(raw)})
+        code = main(["schedule", "test_bad_input:well_formed", f"--{option}", raw])   # the CLI
+        _, err = capsys.readouterr()
+        assert code == 2 and err.startswith(f"fxsched: memory-cap: {option} ") and "Traceback" not in err, err
+
+
+def test_a_peak_cap_below_the_input_peak_is_a_note_not_an_error():
+    done = fxsched.schedule(plain(), "default", max_peak_gb=1e-9)
+    assert any("is over the cap" in note for note in done.report["notes"])
+    assert not moved(done)
 
 
 def test_every_input_error_is_one_cli_line_and_exit_2(capsys, tmp_path):

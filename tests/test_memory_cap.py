@@ -1,0 +1,248 @@
+"""The joint peak-memory cap (`memory-cap`, `schedule(max_peak_gb=...)`, `--max-peak-gb`).
+
+Every pass that raises memory holds back what would go over the cap; the pass manager checks
+the simulated peak after each pass that changed the program and fails naming one that went
+over. The property: whatever the graph, the pipeline and the cap, the simulated peak of the
+result is within the cap (or, for an input already over it, no higher than the input's).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import attrs
+import pytest
+from hypothesis import example, given, note
+from hypothesis import strategies as st
+
+import fxsched
+from fxsched.cost.simulate import memory_profile, simulate
+from fxsched.front import fsdp_joint_graph
+from fxsched.ir import Launch, parse_program
+from fxsched.ir.errors import ConfigError
+from fxsched.ir.holds import OVER_PEAK_CAP, explain_hold
+from fxsched.lowering import lower
+from fxsched.models import build_model
+from fxsched.passes import (ModulePass, PassContext, PassFailure, PassManager, PassResult, PipelineError,
+                            register_pass)
+from fxsched.passes.base import PASSES
+from fxsched.passes.gathers import GatherAnalysis
+from fxsched.passes.placement import plan
+from fxsched.passes.manager import PeakCapExceeded
+from fxsched.passes.memory_cap import MemoryCap, cap_bytes, over_cap, resolve_cap, with_cap
+
+from test_properties import _graph, examples, graph_options, ir_programs, pipelines
+
+GIB = 1 << 30
+
+
+def _front(name, buckets=None, layers=2):
+    module, inputs, model_loss = build_model(name, layers=layers, width=32, seed=1)
+    return fsdp_joint_graph(module, inputs, lambda m, *xs: model_loss(m(*xs), *xs), 2, buckets=buckets)
+
+
+@pytest.fixture(scope="module")
+def gpt():
+    return lower(_front("gpt").gm)
+
+
+def _run(program, text):
+    ctx = PassContext()
+    result = PassManager(text).run(program, ctx)
+    return result, ctx
+
+
+# ---- the property ----------------------------------------------------------------------
+
+def _cap_between(program, text, where: float) -> tuple[str, int, float]:
+    """A cap at `where` (0..1) of the way from `program`'s peak to its peak under `text`
+    uncapped: (capped pipeline text, input peak, cap in bytes)."""
+    peak = memory_profile(program).peak_bytes
+    uncapped = program.copy()
+    PassManager(text).run(uncapped)
+    free_peak = memory_profile(uncapped).peak_bytes
+    increase = max(free_peak - peak, 0) * where / GIB
+    capped = with_cap(text, max_peak_increase_gb=increase)
+    return capped, peak, resolve_cap(0.0, increase, peak)
+
+
+def _assert_within(program, text, peak, cap):
+    ctx = PassContext()
+    PassManager(text).run(program, ctx)   # the manager's own check would raise PeakCapExceeded
+    after = simulate(program).peak_bytes
+    assert after == memory_profile(program).peak_bytes
+    assert after <= max(cap, peak)
+    assert ctx.peak_cap is not None and ctx.peak_cap.limit_bytes == cap
+
+
+@examples(12, graphs=True)
+@example(graph=(0, {"layers": 2, "attention": True, "buckets": True, "mixed_precision": True, "barriers": True,
+                    "reshard": True, "missing_sizes": 0.0, "seed": 3}),
+         pipeline=("hide,budget,prefetch,sink{order=wait},overlap-reduce-scatter,order-gathers", None),
+         unshard=True, where=0.5)
+@given(graph=graph_options(), pipeline=pipelines(), unshard=st.booleans(), where=st.floats(0.0, 1.0))
+def test_generated_graphs_never_exceed_the_cap(graph, pipeline, unshard, where):
+    (num_nodes, options), (text, _) = graph, pipeline
+    if unshard:
+        text += ",unshard"
+    original = lower(_graph(max(num_nodes, _min(options)), **options))
+    capped, peak, cap = _cap_between(original, text, where)
+    note(f"{capped!r}: input peak {peak}, cap {cap}")
+    _assert_within(original.copy(), capped, peak, cap)
+
+
+def _min(options):
+    from test_properties import _min_nodes
+    shape = {k: options[k] for k in ("layers", "attention", "buckets", "mixed_precision", "barriers", "reshard",
+                                     "seed")}
+    return _min_nodes(**shape)
+
+
+@examples(25)
+@given(text=ir_programs(), pipeline=pipelines(), where=st.floats(0.0, 1.0))
+def test_ir_programs_never_exceed_the_cap(text, pipeline, where):
+    program = parse_program(text)
+    capped, peak, cap = _cap_between(program, pipeline[0], where)
+    _assert_within(program, capped, peak, cap)
+
+
+@pytest.fixture(scope="module")
+def model_programs():
+    return {(name, buckets): lower(_front(name, buckets).gm)
+            for name in ("gpt", "llama", "encoder") for buckets in (None, "per-module")}
+
+
+@examples(20)
+@given(case=st.sampled_from([(n, b) for n in ("gpt", "llama", "encoder") for b in (None, "per-module")]),
+       budget=st.sampled_from([0.0, 1e-5, 1.0]), unshard=st.booleans(), where=st.floats(0.0, 1.0),
+       absolute=st.booleans())
+def test_model_pipelines_never_exceed_the_cap(model_programs, case, budget, unshard, where, absolute):
+    text = (f"hide,budget{{max-in-flight-gb={budget!r}}},prefetch,sink{{order=wait}},"
+            f"overlap-reduce-scatter{{max-in-flight-gb={budget!r}}},order-gathers{{max-in-flight-gb={budget!r}}}")
+    if unshard:
+        text += ",unshard"
+    program = model_programs[case]
+    capped, peak, cap = _cap_between(program, text, where)
+    if absolute:  # the same cap as max-peak-gb
+        capped = with_cap(text, max_peak_gb=cap / GIB)
+        cap = resolve_cap(cap / GIB, 0.0, peak)
+    _assert_within(program.copy(), capped, peak, cap)
+
+
+# ---- what the cap does -----------------------------------------------------------------
+
+def test_a_cap_at_the_input_peak_keeps_the_peak_and_holds_with_a_reason(gpt):
+    uncapped = gpt.copy()
+    PassManager("default").run(uncapped)
+    assert memory_profile(uncapped).peak_bytes > memory_profile(gpt).peak_bytes  # the cap binds
+    program = gpt.copy()
+    result, ctx = _run(program, "memory-cap,default")
+    assert memory_profile(program).peak_bytes == memory_profile(gpt).peak_bytes
+    assert cap_bytes(ctx) == memory_profile(gpt).peak_bytes
+    held = [op for op in program.ops() if isinstance(op, Launch) and op.hold == OVER_PEAK_CAP]
+    assert held
+    stats = result.stats()
+    assert stats["memory-cap"]["cap_bytes"] == memory_profile(gpt).peak_bytes
+    assert stats["budget"][OVER_PEAK_CAP] > 0
+    assert "simulated peak memory" in explain_hold(OVER_PEAK_CAP)
+    # moves that fit still happen: the step is shorter than the input's
+    assert simulate(program).step_ms < simulate(gpt).step_ms
+
+
+def test_a_loose_cap_changes_nothing(gpt):
+    free, capped = gpt.copy(), gpt.copy()
+    PassManager("default").run(free)
+    _run(capped, "memory-cap{max-peak-increase-gb=1.0},default")
+    assert capped.schedule == free.schedule
+
+
+def test_no_cap_no_check(gpt):
+    _, ctx = _run(gpt.copy(), "default")
+    assert ctx.peak_cap is None and cap_bytes(ctx) is None
+    assert not over_cap(ctx, gpt)
+
+
+def test_over_cap_is_the_exact_check_for_rewrites(gpt):
+    program = gpt.copy()
+    _, ctx = _run(program, "memory-cap")
+    assert not over_cap(ctx, program)
+    grown = gpt.copy()
+    PassManager("default").run(grown)
+    assert over_cap(ctx, grown)
+
+
+def test_an_input_over_the_cap_is_a_note_and_nothing_rises(gpt):
+    program = gpt.copy()
+    peak = memory_profile(gpt).peak_bytes
+    result, ctx = _run(program, f"memory-cap{{max-peak-gb={peak / 2 / GIB!r}}},default")
+    assert any("over the cap" in n for n in program.notes)
+    assert memory_profile(program).peak_bytes <= peak
+
+
+def test_unshard_takes_the_joint_cap_and_its_own_options_only_tighten_it():
+    program = lower(_front("encoder").gm)
+    PassManager("default").run(program)
+    peak = memory_profile(program).peak_bytes
+    joint = f"memory-cap{{max-peak-increase-gb={20000 / GIB!r}}}"
+    result, _ = _run(program.copy(), f"{joint},unshard")
+    stats = result.stats()["unshard"]
+    assert stats["cap_bytes"] == pytest.approx(peak + 20000)
+    assert stats["peak_after_bytes"] <= peak + 20000 and stats["unsharded"] > 0
+    result, _ = _run(program.copy(), f"{joint},unshard{{max-peak-increase-gb=1.0}}")   # looser: the joint wins
+    assert result.stats()["unshard{max-peak-increase-gb=1.0}"]["cap_bytes"] == pytest.approx(peak + 20000)
+    tight = f"unshard{{max-peak-increase-gb={4000 / GIB!r}}}"
+    result, _ = _run(program.copy(), f"{joint},{tight}")   # tighter: its own
+    assert result.stats()[tight]["cap_bytes"] == pytest.approx(peak + 4000)
+
+
+@register_pass
+@dataclasses.dataclass(frozen=True)
+class _Greedy(ModulePass):
+    """A pass that knows nothing of the cap: launches every gather as early as is legal."""
+    name = "test-greedy-prefetch"
+    reorders_only = True
+
+    def apply(self, ctx, program):
+        analysis = ctx.get(GatherAnalysis, program)
+        for g in analysis.gathers:
+            program.replace(attrs.evolve(program.op(g.launch), anchor=program.schedule[0], hold=None))
+        moved = sum(reason is None for _, _, reason in plan(program, analysis, program.schedule))
+        return PassResult(moved > 0, {"moved": moved})
+
+
+def test_a_pass_that_ignores_the_cap_fails_the_pipeline_by_name(gpt):
+    with pytest.raises(PassFailure) as info:
+        PassManager("memory-cap,test-greedy-prefetch").run(gpt.copy())
+    assert isinstance(info.value.cause, PeakCapExceeded)
+    assert "test-greedy-prefetch" in str(info.value) and "over the cap" in str(info.value)
+    PassManager("test-greedy-prefetch").run(gpt.copy())   # without a cap it is fine
+
+
+# ---- setting it ------------------------------------------------------------------------
+
+def test_schedule_takes_the_cap_and_puts_memory_cap_first():
+    front = _front("gpt")
+    done = fxsched.schedule(front.gm, "default", max_peak_increase_gb=0.0)
+    assert done.pipeline.startswith("memory-cap,")
+    assert simulate(done.program).peak_bytes == simulate(lower(front.gm)).peak_bytes
+    done = fxsched.schedule(front.gm, "reference", max_peak_gb=1.0, max_peak_increase_gb=0.5)
+    assert done.pipeline.startswith("memory-cap{max-peak-gb=1.0,max-peak-increase-gb=0.5},anchor")
+
+
+@pytest.mark.parametrize("value", [-1.0, math.nan, math.inf, 1e300, True, "1"])
+def test_bad_cap_values_are_config_errors(value):
+    with pytest.raises(ConfigError, match="memory-cap: max-peak-gb"):
+        MemoryCap(max_peak_gb=value)
+    with pytest.raises(ConfigError, match="memory-cap: max-peak-increase-gb"):
+        with_cap("default", max_peak_increase_gb=value)
+
+
+@pytest.mark.parametrize("raw", ["-1", "nan", "inf", "1e300", "x"])
+def test_bad_cap_values_in_pipeline_text_are_pipeline_errors(raw):
+    with pytest.raises(PipelineError, match="max-peak-gb"):
+        PassManager(f"memory-cap{{max-peak-gb={raw}}},default")
+
+
+def test_memory_cap_is_registered_with_its_options():
+    assert set(PASSES["memory-cap"].options()) == {"max-peak-gb", "max-peak-increase-gb"}
