@@ -44,6 +44,7 @@ from ..ir import DATA, Cast, Compute, CopyOut, Launch, Phase, Program, Role, Ten
 from ..ir.holds import register_hold
 from ..ir.rewriter import Call, Operand, RewriteError, Rewriter
 from .base import ModulePass, PassContext, PassResult, check_budget, option, register_pass
+from .memory_cap import cap_bytes, resolve_cap
 
 GIB = 1 << 30
 MIB = 1 << 20
@@ -100,19 +101,20 @@ class Bucket(ModulePass):
             raise ValueError(f"{self.name}: min-saved-ms must be a finite non-negative number of ms, "
                              f"got {self.min_saved_ms!r}")
 
-    def peak_cap(self, input_peak: int) -> float:
-        """The simulated peak memory a bucket may reach (unshard's `cap_bytes` semantics); the one
-        place the cap is decided, so a pipeline-wide cap can take over here."""
-        cap = self.max_peak_gb * GIB if self.max_peak_gb > 0 else float("inf")
-        if self.max_peak_gb == 0 or self.max_peak_increase_gb > 0:
-            cap = min(cap, input_peak + self.max_peak_increase_gb * GIB)
-        return cap
+    def peak_cap(self, input_peak: int, joint: float | None = None) -> float:
+        """The simulated peak memory a bucket may reach (unshard's `cap_bytes` semantics): its own
+        cap, or the joint one (`memory-cap`) in force when its options are unset; its own options
+        only tighten a joint cap."""
+        own = resolve_cap(self.max_peak_gb, self.max_peak_increase_gb, input_peak)
+        if joint is None:
+            return own
+        return joint if self.max_peak_gb == 0 and self.max_peak_increase_gb == 0 else min(own, joint)
 
     def apply(self, ctx: PassContext, program: Program) -> PassResult:
         analysis = ctx.get(CostAnalysis, program)
         costs = dict(analysis.ms)
         before = current = simulate(program, costs=costs)
-        cap = self.peak_cap(before.peak_bytes)
+        cap = self.peak_cap(before.peak_bytes, cap_bytes(ctx))
         inflight_cap = max(self.max_in_flight_gb * GIB, before.max_inflight_bytes)
         held: dict[str, str] = {}
         bought: dict[str, dict] = {}

@@ -115,13 +115,12 @@ def model_programs():
 
 @examples(20)
 @given(case=st.sampled_from([(n, b) for n in ("gpt", "llama", "encoder") for b in (None, "per-module")]),
-       budget=st.sampled_from([0.0, 1e-5, 1.0]), unshard=st.booleans(), where=st.floats(0.0, 1.0),
-       absolute=st.booleans())
-def test_model_pipelines_never_exceed_the_cap(model_programs, case, budget, unshard, where, absolute):
+       budget=st.sampled_from([0.0, 1e-5, 1.0]), rewrites=st.sampled_from(["", ",unshard", ",bucket", ",bucket,unshard"]),
+       where=st.floats(0.0, 1.0), absolute=st.booleans())
+def test_model_pipelines_never_exceed_the_cap(model_programs, case, budget, rewrites, where, absolute):
     text = (f"hide,budget{{max-in-flight-gb={budget!r}}},prefetch,sink{{order=wait}},"
-            f"overlap-reduce-scatter{{max-in-flight-gb={budget!r}}},order-gathers{{max-in-flight-gb={budget!r}}}")
-    if unshard:
-        text += ",unshard"
+            f"overlap-reduce-scatter{{max-in-flight-gb={budget!r}}},order-gathers{{max-in-flight-gb={budget!r}}}"
+            f"{rewrites}")
     program = model_programs[case]
     capped, peak, cap = _cap_between(program, text, where)
     if absolute:  # the same cap as max-peak-gb
@@ -192,6 +191,22 @@ def test_unshard_takes_the_joint_cap_and_its_own_options_only_tighten_it():
     result, _ = _run(program.copy(), f"{joint},unshard{{max-peak-increase-gb=1.0}}")   # looser: the joint wins
     assert result.stats()["unshard{max-peak-increase-gb=1.0}"]["cap_bytes"] == pytest.approx(peak + 20000)
     tight = f"unshard{{max-peak-increase-gb={4000 / GIB!r}}}"
+    result, _ = _run(program.copy(), f"{joint},{tight}")   # tighter: its own
+    assert result.stats()[tight]["cap_bytes"] == pytest.approx(peak + 4000)
+
+
+def test_bucket_takes_the_joint_cap_and_its_own_options_only_tighten_it():
+    program = lower(_front("gpt").gm)
+    PassManager("default").run(program)
+    peak = memory_profile(program).peak_bytes
+    joint = f"memory-cap{{max-peak-increase-gb={20000 / GIB!r}}}"
+    result, _ = _run(program.copy(), f"{joint},bucket")
+    stats = result.stats()["bucket"]
+    assert stats["cap_bytes"] == pytest.approx(peak + 20000) and stats["peak_after_bytes"] <= peak + 20000
+    loose = "bucket{max-peak-increase-gb=1.0}"
+    result, _ = _run(program.copy(), f"{joint},{loose}")   # looser: the joint cap wins
+    assert result.stats()[loose]["cap_bytes"] == pytest.approx(peak + 20000)
+    tight = f"bucket{{max-peak-increase-gb={4000 / GIB!r}}}"
     result, _ = _run(program.copy(), f"{joint},{tight}")   # tighter: its own
     assert result.stats()[tight]["cap_bytes"] == pytest.approx(peak + 4000)
 
