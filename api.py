@@ -20,6 +20,9 @@ from .ir import tags
 from .lowering import lower
 from .passes import DEFAULT_PIPELINE, Instrument, PassContext, PassManager, PipelineResult, Timing
 from .passes.memory_cap import with_cap
+from .cost.limits import lower_bound
+from .cost.model import CostAnalysis
+from .cost.simulate import simulate
 from .raising import raise_in_place, raise_program
 
 LOG = logging.getLogger("fxsched")
@@ -34,6 +37,8 @@ class ScheduleResult:
     timing: Timing | None = None
     #: gathers an earlier run had moved (lowering read their tag): the report tells them apart
     earlier: frozenset[str] = frozenset()
+    context: PassContext | None = None   # the run's: its cost model, the peak cap in force
+    _gap: dict[str, Any] | None = attrs.field(default=None, init=False)
 
     @property
     def report(self) -> dict[str, Any]:
@@ -45,7 +50,37 @@ class ScheduleResult:
             "gathers": gather_table(self.program, self.earlier),
             "notes": list(self.program.notes),
             "seconds": dict(self.timing.seconds) if self.timing else None,
+            "gap": self.gap,
         }
+
+    @property
+    def gap(self) -> dict[str, Any]:
+        """The scheduled program against its lower bound and its memory against the cap, and
+        what each rewrite bought (`gap_report`; simulated once, on first use)."""
+        if self._gap is None:
+            self._gap = gap_report(self.program, self.context or PassContext(), self.result.stats())
+        return self._gap
+
+
+def gap_report(program: Program, ctx: PassContext, stats: dict[str, dict]) -> dict[str, Any]:
+    """Simulated step, its lower bound (`cost.limits.lower_bound`) and step / bound; the
+    simulated peak memory and the cap in force (None: none) with the peak it was set at; and one
+    row per rewrite a pass reports under `bought` in its statistics (an unsharded parameter, a
+    bucket): the simulated step it saved and the bytes it added (`bytes_added`; unshard's
+    `held_bytes`, the replica it keeps; bucket's `peak_change_bytes`, the simulated peak's change)."""
+    costs = ctx.get(CostAnalysis, program).ms
+    sim = simulate(program, costs=costs)
+    cap = ctx.peak_cap
+    bought = [{"pass": name, "what": what, "step_saved_ms": row.get("step_saved_ms"),
+               "bytes_added": next((row[k] for k in ("bytes_added", "held_bytes", "peak_change_bytes") if k in row),
+                                   None)}
+              for name, s in stats.items() for what, row in (s.get("bought") or {}).items()]
+    return {
+        **lower_bound(program, sim, costs), "exposed_ms": sim.exposed_ms,
+        "peak_bytes": sim.peak_bytes, "cap_bytes": None if cap is None else int(cap.limit_bytes),
+        "cap_set_at_bytes": None if cap is None else cap.set_at_bytes,
+        "bought": bought,
+    }
 
 
 def gather_table(program: Program, earlier: frozenset[str] = frozenset()) -> list[dict[str, Any]]:
@@ -121,13 +156,14 @@ def _schedule(gm: fx.GraphModule, pipeline: str, raising, *, verify_each: bool =
     timer = Timing() if timing else None
     if timer:
         manager.instruments.insert(0, timer)
+    ctx = PassContext(cost_model=cost_model)
     with gc_paused():  # one pause for all stages: a full collection between them scans the whole graph
         gm.graph.lint()
         program = lower(gm)
         earlier = frozenset(op.name for op in program.ops() if isinstance(op, Launch) and op.prefetched)
-        result = manager.run(program, PassContext(cost_model=cost_model))
+        result = manager.run(program, ctx)
         raised = raising(program)
-    return ScheduleResult(raised, program, str(manager), result, timer, earlier)
+    return ScheduleResult(raised, program, str(manager), result, timer, earlier, ctx)
 
 
 def reference_pipeline(max_in_flight_gb: float, forward_depth: int = 1, backward_depth: int = 1) -> str:

@@ -34,6 +34,32 @@ def report_lines(report: dict) -> list[str]:
             params = ",".join(row["params"])
             lines.append(f"    %{row['launch']:<{width}} {row['phase']} {params[:40]:<40} {_where(row)}")
     lines += [f"  note: {note}" for note in report["notes"]]
+    if report.get("gap"):
+        lines += ["  " + line for line in gap_lines(report["gap"])]
+    return lines
+
+
+def gap_lines(gap: dict) -> list[str]:
+    """The simulated step against its lower bound, the peak against the cap, and what each
+    rewrite bought (`ScheduleResult.gap`)."""
+    lines = [f"step {gap['step_ms']:.4f} ms, lower bound {gap['bound_ms']:.4f} ms, step/bound {gap['gap']:.3f}; "
+             f"bound = max(compute {gap['compute_ms']:.4f} + exposed at the legal limit {gap['forced_ms']:.4f}, "
+             f"busiest stream {gap['busiest_stream'] or '-'} {gap['busiest_stream_ms']:.4f}) ms; "
+             f"exposed {gap['exposed_ms']:.4f} ms"]
+    peak = f"peak memory {format_size(gap['peak_bytes'])}"
+    if gap["cap_bytes"] is None:
+        lines.append(f"{peak}, no cap")
+    else:
+        room = gap["cap_bytes"] - gap["peak_bytes"]
+        where = f"{format_size(room)} under it" if room >= 0 else f"{format_size(-room)} OVER it"
+        lines.append(f"{peak}, cap {format_size(gap['cap_bytes'])} ({where}; the peak was "
+                     f"{format_size(gap['cap_set_at_bytes'])} when it was set)")
+    for row in gap["bought"]:
+        saved = row["step_saved_ms"]
+        added = row["bytes_added"]
+        lines.append(f"bought by {row['pass']}: {row['what']}: step "
+                     f"{'?' if saved is None else f'{-saved:+.4f} ms'}, memory "
+                     f"{'?' if added is None else '+' + format_size(added)}")
     return lines
 
 
@@ -57,7 +83,8 @@ def explain_text(done, original=None) -> str:
     not, where to, and why. With the GraphModule it was scheduled from, also how far each moved."""
     before = {n.name: i for i, n in enumerate(original.graph.nodes)} if original is not None else None
     after = {n.name: i for i, n in enumerate(done.graph_module.graph.nodes)}
-    lines = [summary_line(done.report).strip(), *explain_lines(done.report, before, after)]
+    report = done.report
+    lines = [summary_line(report).strip(), *gap_lines(report["gap"]), *explain_lines(report, before, after)]
     return "\n".join(lines)
 
 

@@ -86,3 +86,24 @@ def _slack_after(program: Program, wait: str, work: list[float]) -> float:
             elif s not in travelling:
                 bound = min(bound, pos(s))
     return work[bound] - work[pos(wait) + 1]
+
+
+def lower_bound(program: Program, sim: Simulation, costs: Mapping[str, float]) -> dict[str, float | str | None]:
+    """A lower bound of `sim`'s step, and what it is made of.
+
+    The schedule runs all its compute and, on each stream, all its collectives; and its compute
+    stream also idles where communication is exposed `at legal limit` (launched at its earliest
+    legal slot, waited at its latest: no move of that collective hides it). So the step is at
+    least max(compute + that exposure, the busiest stream), never more than `sim.step_ms` (the
+    exposure at the limit is a part of the exposure). Read off this schedule (another placement
+    of communication may leave less at the limit), so it bounds this schedule's step.
+    `forced_ms` is that exposure; `plain_ms` the bound without it (as `Simulation.lower_bound_ms`).
+    """
+    forced = exposure_causes(program, sim, costs)[AT_LIMIT] if sim.exposed_ms > 0 else 0.0
+    busiest = max(sim.comm_ms_by_stream.items(), key=lambda kv: (kv[1], kv[0]), default=(None, 0.0))
+    bound = max(sim.compute_ms + forced, busiest[1])
+    return {
+        "bound_ms": bound, "plain_ms": sim.lower_bound_ms, "compute_ms": sim.compute_ms, "forced_ms": forced,
+        "busiest_stream": busiest[0], "busiest_stream_ms": busiest[1],
+        "step_ms": sim.step_ms, "gap": sim.step_ms / bound if bound > 0 else 1.0,
+    }
