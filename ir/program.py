@@ -74,6 +74,23 @@ class IRGraph(nx.DiGraph):
         if nbrs is not None and type(nbrs.get(v)) is _SharedAttrs:
             nbrs[v] = self._pred[v][u] = dict(nbrs[v])
 
+    def copy(self, as_view=False):
+        """DiGraph.copy (node and edge attribute dicts copied, same iteration order), made from
+        the adjacency dicts directly: a rewriting pass copies the program per candidate, and
+        networkx's edge-by-edge copy was most of its time. A shared edge dict is read-only, so
+        the copy shares it too."""
+        if as_view:
+            return super().copy(as_view=True)
+        new = self.__class__()
+        new.graph.update(self.graph)
+        new._node.update((n, d.copy()) for n, d in self._node.items())
+        succ = {u: {v: e if type(e) is _SharedAttrs else e.copy() for v, e in nbrs.items()}
+                for u, nbrs in self._succ.items()}
+        new._succ = new._adj = succ
+        new._pred = {v: {u: succ[u][v] for u in nbrs} for v, nbrs in self._pred.items()}
+        _clear_cache(new)
+        return new
+
 
 class _Block:
     """A run of consecutive names of a schedule: the names, the position of the first, and the
