@@ -2,6 +2,7 @@
 
     .venv/bin/python bench/bench_clients.py                      # everything below (~15 min on 2 CPUs)
     .venv/bin/python bench/bench_clients.py --no-compile --titan-layers 2
+    .venv/bin/python bench/bench_clients.py --no-compile --llama3-8b      # + Llama-3-8B shapes
 
 Writes bench/out/clients.{md,json}. Workloads:
 
@@ -13,6 +14,10 @@ Writes bench/out/clients.{md,json}. Workloads:
   layers) and of its 1B shape cut to 2 layers, under
   SimpleFSDP (bf16 parameters, fp32 reduction, world size 2, batch 2, seq 2048), traced by its
   make_fx tracer on a fake process group and rematerialised by its default passes (`bench/titan.py`).
+- **Llama-3-8B shapes** (`llama3-8B ...`, with `--llama3-8b`): dim 4096, FFN 14336, 32 heads, 8 KV
+  heads, vocab 128256, batch 1, world size 8 (`bench/llama3_8b.py`), traced with fake tensors
+  through fxsched's front (a meta-device module: no parameter or activation memory): 4 and 32
+  layers, bf16 and fp32 parameters at sequence 8192, and bf16 at sequence 512 (communication-bound).
 
 Schedules: `emitted` (as traced); `fxsched-gathers` (the default pipeline with only the gathers
 recognised: what fxsched did before it recognised gradient reductions); `fxsched` (the default
@@ -20,7 +25,12 @@ pipeline, gathers and gradient reductions recognised); `inductor` (Inductor's
 `schedule_overlap_bucketing`, reorder only, on the same graph with our per-node costs, as in
 bench_schedules.py); on the torchtitan graphs `torchtitan` (graph_trainer's own FSDP
 scheduling pass, `joint_transformer_block_bucketing_reordering_pass`, which buckets: its graph is
-lowered and scored on its own, the node set changed). Every order is checked against the
+lowered and scored on its own, the node set changed), `torchtitan+fxsched` (that pass, then
+fxsched's default on its buckets) and `torchtitan-buckets+fxsched` (only its bucketing step, fxsched
+orders the buckets); on joint graphs (torchtitan's, the Llama-3-8B ones) also `inductor-bucketing`
+(Inductor's scheduler with its FSDP pre-bucketing, its default) and `torchtitan-autobucketing`
+(torchtitan's `autobucketing_reordering_pass`: `schedule_overlap_bucketing(gm, collective_bucketing=True)`),
+both with our costs. Every order is checked against the
 original program's rules (ILLEGAL with the broken rules counted, as in bench_schedules.py).
 Costs: H100 roofline. Columns: step, exposed communication, step / lower bound, peak memory.
 """
@@ -44,7 +54,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import fxsched  # noqa: E402
 from fxsched.cost import Roofline, collective_kind, format_bytes, hardware, op_costs, simulate  # noqa: E402
-from fxsched.ir import Launch, VerifyError, verify  # noqa: E402
+from fxsched.ir import Launch, Role, VerifyError, verify  # noqa: E402
 from fxsched.lowering import lower  # noqa: E402
 from fxsched.lowering.structural import tag_fsdp_collectives, untag_fsdp_gathers  # noqa: E402
 
@@ -53,6 +63,7 @@ from peers import copy_module, setup_inductor  # noqa: E402
 
 OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "out")
 WORLD = 2
+LLAMA3_WORLD = 8
 
 
 @contextmanager
@@ -84,8 +95,10 @@ def _score(program, costs) -> dict[str, Any]:
             "peak_bytes": sim.peak_bytes}
 
 
-def schedule_graph(gm: fx.GraphModule, phase: str | None, model, args) -> dict[str, dict[str, Any]]:
-    """Every schedule of one graph: {name: score + legality}."""
+def schedule_graph(gm: fx.GraphModule, phase: str | None, model, args, *, joint: bool = False,
+                   variants=(("fxsched-gathers", False), ("fxsched", True))) -> dict[str, dict[str, Any]]:
+    """Every schedule of one graph: {name: score + legality}. `joint`: a joint forward+backward
+    graph (the joint-graph peers run on it too)."""
     out: dict[str, dict[str, Any]] = {}
     with uniform_phase(gm, phase):
         untag_fsdp_gathers(gm)
@@ -93,10 +106,13 @@ def schedule_graph(gm: fx.GraphModule, phase: str | None, model, args) -> dict[s
         program = lower(gm)
         verify(program)
         costs = op_costs(program, model)
-        info = {"nodes": len(gm.graph.nodes), "collectives": _counts(gm), "gathers_recognised": len(found.tagged),
-                "reductions_recognised": len(found.reductions)}
+        # what lowering takes for FSDP collectives (structurally recognised, or tagged by the front)
+        roles = collections.Counter(op.role for op in program.ops() if isinstance(op, Launch) and op.role is not None)
+        info = {"nodes": len(gm.graph.nodes), "collectives": _counts(gm),
+                "gathers_recognised": roles[Role.GATHER] + roles[Role.REGATHER],
+                "reductions_recognised": roles[Role.REDUCE_SCATTER], "structural": len(found.tagged) + len(found.reductions)}
         out["emitted"] = {**_score(program, costs), "legal": True}
-        for name, reductions in (("fxsched-gathers", False), ("fxsched", True)):
+        for name, reductions in variants:
             untag_fsdp_gathers(gm)
             tag_fsdp_collectives(gm, phase=phase, reductions=reductions)
             t = time.perf_counter()
@@ -108,22 +124,45 @@ def schedule_graph(gm: fx.GraphModule, phase: str | None, model, args) -> dict[s
                          "problems": rules(program, order, problems), "compile_s": seconds}
         untag_fsdp_gathers(gm)
         tag_fsdp_collectives(gm, phase=phase)
-        if "inductor" in args.peers:
-            options = dict(max_in_flight_gb=1.0, pre_bucketing_fsdp_collectives=False)
-            result = run_peer_forked(gm, costs, model, options, args.peer_timeout)
-            if "skipped" in result:
-                out["inductor"] = {"skipped": result["skipped"]}
-            elif "program" in result:
-                own = result["program"]
-                out["inductor"] = {**_score(own, op_costs(own, model)), "legal": False,
-                                   "problems": broken_rules(program, result["names"]) or {"node set changed": 1}}
-            else:
-                scheduled, problems = check_order(program, result["names"])
-                out["inductor"] = {**_score(scheduled, costs), "legal": not problems,
-                                   "problems": rules(program, result["names"], problems),
-                                   "compile_s": result["seconds"]}
+        for peer in args.peers:
+            if peer in JOINT_PEERS and not joint:
+                continue  # a joint-graph peer: not run on Inductor's partitioned graphs
+            out[peer] = _run_peer(gm, program, costs, model, PEER_OPTIONS[peer], args.peer_timeout)
     out["_info"] = info
     return out
+
+
+#: the peers, with the options each runs with (anything not listed is Inductor's default); our
+#: costs are their `custom_runtime_estimation`, `compute_estimator="analytical"` (bench/peers.py)
+PEER_OPTIONS = {
+    # Inductor's overlap scheduler, reorder only, our in-flight budget
+    "inductor": {"max_in_flight_gb": 1.0, "pre_bucketing_fsdp_collectives": False},
+    # the same with its FSDP pre-bucketing (its default)
+    "inductor-bucketing": {"max_in_flight_gb": 1.0},
+    # torchtitan's `autobucketing_reordering_pass`: `schedule_overlap_bucketing(gm, collective_bucketing=True)`
+    "torchtitan-autobucketing": {"collective_bucketing": True},
+}
+#: peers that are meant for a joint forward+backward graph (torchtitan's, or Inductor's scheduler on it)
+JOINT_PEERS = ("inductor-bucketing", "torchtitan-autobucketing")
+
+
+def _run_peer(gm, program, costs, model, options, timeout) -> dict[str, Any]:
+    """One Inductor-based peer on a copy of `gm`, scored like ours; a peer that changed the node set
+    (bucketing) is scored on its own lowering and checked on the nodes it kept."""
+    result = run_peer_forked(gm, costs, model, options, timeout)
+    if "skipped" in result:
+        return {"skipped": result["skipped"]}
+    if "program" in result:
+        own = result["program"]
+        problems = broken_rules(program, result["names"])
+        if result.get("own_problems"):
+            problems["own lowering"] = len(result["own_problems"])
+        return {**_score(own, op_costs(own, model)), "legal": not problems, "problems": problems,
+                "compile_s": result["seconds"], "collectives": dict(result["collectives"]),
+                "node_set": "changed (bucketing)"}
+    scheduled, problems = check_order(program, result["names"])
+    return {**_score(scheduled, costs), "legal": not problems, "problems": rules(program, result["names"], problems),
+            "compile_s": result["seconds"]}
 
 
 def _sum(parts: list[dict[str, dict[str, Any]]]) -> dict[str, dict[str, Any]]:
@@ -188,29 +227,63 @@ def titan_workloads(args, model) -> list[dict[str, Any]]:
         traced = rematerialise(trace_step(module, inputs))
         build = time.perf_counter() - t
         gm = traced.gm
-        keep = copy_module(gm)
-        scheds = schedule_graph(gm, None, model, args)
+        copies = [copy_module(gm) for _ in range(2)]
+        scheds = schedule_graph(gm, None, model, args, joint=True)
         info = scheds.pop("_info")
-        # torchtitan's own FSDP scheduling pass, on a copy (it buckets: a new node set, scored on its own lowering)
-        try:
-            setup_inductor(model.hw.hbm_gbps, model.hw.tflops("f32"))  # it asks triton's GPU driver otherwise
-            traced.gm = keep
-            t = time.perf_counter()
-            joint_bucketing(traced, layers)
-            seconds = time.perf_counter() - t
-            own = lower(traced.gm)
+        setup_inductor(model.hw.hbm_gbps, model.hw.tflops("f32"))  # torchtitan's pass asks triton's GPU driver otherwise
+        # torchtitan's own FSDP scheduling pass, on a copy (it buckets: a new node set, scored on its own
+        # lowering); then fxsched's default on its buckets, after the whole pass and after its bucketing step alone
+        for name, reorder, ours in (("torchtitan", True, False), ("torchtitan+fxsched", True, True),
+                                    ("torchtitan-buckets+fxsched", False, True)):
             try:
-                verify(own)
-                own_problems = []
-            except VerifyError as error:
-                own_problems = error.problems
-            entry = {**_score(own, op_costs(own, model)), "legal": not own_problems,
-                     "problems": {"own lowering": len(own_problems)} if own_problems else {},
-                     "compile_s": seconds, "collectives": _counts(traced.gm), "node_set": "changed (bucketing)"}
-        except Exception as exc:  # noqa: BLE001 — recorded, the rest of the row stands
-            entry = {"skipped": f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"}
-        scheds["torchtitan"] = entry
+                traced.gm = copy_module(copies[0] if reorder else copies[1])
+                t = time.perf_counter()
+                joint_bucketing(traced, layers, reorder=reorder)
+                if ours:
+                    tag_fsdp_collectives(traced.gm)
+                    traced.gm = fxsched.schedule(traced.gm, fxsched.DEFAULT_PIPELINE, cost_model=model).graph_module
+                scheds[name] = _own(traced.gm, model, time.perf_counter() - t)
+            except Exception as exc:  # noqa: BLE001 — recorded, the rest of the row stands
+                scheds[name] = {"skipped": f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"}
         rows.append({"workload": label, "build_s": build, "graphs": {"joint": info}, "schedules": scheds})
+        _print(rows[-1])
+    return rows
+
+
+def _own(gm: fx.GraphModule, model, seconds: float) -> dict[str, Any]:
+    """A schedule with its own node set (bucketing), scored on its own lowering; legal when that verifies."""
+    own = lower(gm)
+    try:
+        verify(own)
+        own_problems = []
+    except VerifyError as error:
+        own_problems = error.problems
+    return {**_score(own, op_costs(own, model)), "legal": not own_problems,
+            "problems": {"own lowering": len(own_problems)} if own_problems else {},
+            "compile_s": seconds, "collectives": _counts(gm), "node_set": "changed (bucketing)"}
+
+
+def llama3_8b_workloads(args, model) -> list[dict[str, Any]]:
+    """Llama-3-8B's layer shapes (bench/llama3_8b.py), traced with fake tensors through fxsched's
+    front for world size 8: bf16 and fp32 parameters at sequence 8192 (compute-bound), and bf16 at
+    a short sequence (communication-bound). Joint graphs: the joint-graph peers run on them."""
+    from llama3_8b import llama3_8b_graph
+
+    rows = []
+    shapes = [(layers, dtype, args.llama3_seq) for layers in args.llama3_layers for dtype in args.llama3_dtypes]
+    shapes += [(layers, "bf16", args.llama3_comm_seq) for layers in args.llama3_comm_layers]
+    for layers, dtype, seq in shapes:
+        label = f"llama3-8B L{layers} {dtype} seq{seq}{' (comm-bound)' if seq == args.llama3_comm_seq else ''}"
+        print(label, "...", flush=True)
+        t = time.perf_counter()
+        gm = llama3_8b_graph(layers, dtype=torch.bfloat16 if dtype == "bf16" else torch.float32, seq=seq,
+                             world_size=LLAMA3_WORLD)
+        build = time.perf_counter() - t
+        # the front tags its gathers and reduce-scatters itself: one fxsched variant
+        scheds = schedule_graph(gm, None, model, args, joint=True, variants=(("fxsched", True),))
+        info = scheds.pop("_info")
+        rows.append({"workload": label, "build_s": build, "graphs": {"joint": info}, "schedules": scheds})
+        print(f"  ({len(gm.graph.nodes)} nodes, traced in {build:.1f} s)", flush=True)
         _print(rows[-1])
     return rows
 
@@ -254,7 +327,7 @@ def goals(rows) -> list[str]:
     for row in rows:
         s = row["schedules"]
         ours = s.get("fxsched")
-        for peer in ("inductor", "torchtitan"):
+        for peer in ("inductor", *JOINT_PEERS, "torchtitan", "torchtitan+fxsched", "torchtitan-buckets+fxsched"):
             other = s.get(peer)
             if not ours or not other or "skipped" in other:
                 continue
@@ -285,7 +358,15 @@ def main() -> None:
                         help="llama3 1B's shape (dim 2048, vocab 128256) cut to these many layers")
     parser.add_argument("--titan-seq", type=int, default=2048)
     parser.add_argument("--titan-batch", type=int, default=2)
-    parser.add_argument("--peers", nargs="*", default=["inductor"], choices=["inductor"])
+    parser.add_argument("--llama3-8b", action="store_true",
+                        help="add Llama-3-8B layer shapes traced with fake tensors through fxsched's front (world size 8)")
+    parser.add_argument("--llama3-layers", type=int, nargs="*", default=[4, 32])
+    parser.add_argument("--llama3-dtypes", nargs="*", default=["bf16", "fp32"], choices=["bf16", "fp32"])
+    parser.add_argument("--llama3-seq", type=int, default=8192)
+    parser.add_argument("--llama3-comm-layers", type=int, nargs="*", default=[4])
+    parser.add_argument("--llama3-comm-seq", type=int, default=512, help="a short sequence: communication-bound")
+    parser.add_argument("--peers", nargs="*", default=list(PEER_OPTIONS), choices=list(PEER_OPTIONS),
+                        help="Inductor-based peers (the joint-graph ones run on joint graphs only)")
     parser.add_argument("--peer-timeout", type=float, default=600.0)
     parser.add_argument("--hardware", default="h100")
     parser.add_argument("--out", default=OUT)
@@ -299,6 +380,8 @@ def main() -> None:
         rows += compile_workloads(args, model)
     if not args.no_titan:
         rows += titan_workloads(args, model)
+    if args.llama3_8b:
+        rows += llama3_8b_workloads(args, model)
     result = {"machine": f"{platform.machine()}, {os.cpu_count()} cpus, python {platform.python_version()}, "
                          f"torch {torch.__version__}", "hardware": model.hw.name, "world_size": WORLD,
               "pipeline": fxsched.DEFAULT_PIPELINE, "args": vars(args), "rows": rows, "goals": goals(rows)}

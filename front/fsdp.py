@@ -306,7 +306,7 @@ def _trace(module, loss_fn, plan: _Plan, example_inputs) -> tuple[fx.GraphModule
         return (loss, *grads)
 
     shards = [
-        torch.zeros(plan.shard_len(n), dtype=plan.dtypes[n], requires_grad=True) for n in plan.names
+        torch.empty(plan.shard_len(n), dtype=plan.dtypes[n], requires_grad=True) for n in plan.names
     ]
     # Real buffers of the module become graph constants (_allow_non_fake_inputs).
     gm = make_fx(joint, tracing_mode="fake", _allow_non_fake_inputs=True)(*shards, *example_inputs)

@@ -467,3 +467,25 @@ def test_two_ranks_match_eager(two_rank_runs, case_id):
         expected = per_rank[0][case_id][2][name] + per_rank[1][case_id][2][name]
         assert grads[name].dtype == torch.float32
         assert torch.equal(grads[name], expected.float()), name
+
+
+def test_a_meta_device_module_traces_with_fake_tensors():
+    """bench/llama3_8b.py's Llama-3 shape (grouped-query attention) built on the meta device: the
+    front traces it for 8 ranks without the parameters' memory; every gather has its parameter's
+    unsharded size and the step's collectives are tagged."""
+    import os
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench"))
+    from llama3_8b import llama3_8b_graph
+
+    gm = llama3_8b_graph(2, dtype=torch.bfloat16, seq=16, world_size=8, dim=64, ffn=96, heads=4, kv_heads=2, vocab=80)
+    gathers = [n for n in gm.graph.nodes if n.meta.get("comm_type") == "fsdp_all_gather"]
+    sizes = {n.meta["param_name"]: n.meta["fsdp_unsharded_nbytes"] for n in gathers}
+    assert sizes["blocks.0.wk.weight"] == 2 * 16 * 64 * 2  # kv_heads × head_dim × dim, bf16
+    assert sizes["blocks.1.w1.weight"] == 96 * 64 * 2 and sizes["tok.weight"] == 80 * 64 * 2
+    assert len(gathers) == 2 * 9 + 3
+    from fxsched import schedule
+    from fxsched.ir import verify
+
+    verify(schedule(gm, "default").program)
