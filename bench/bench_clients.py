@@ -390,7 +390,7 @@ def main() -> None:
         json.dump(result, f, indent=1, default=str)
     table = markdown(rows)
     with open(os.path.join(args.out, "clients.md"), "w") as f:
-        f.write(f"Simulated on {model.hw.name} (roofline), world size {WORLD}; fxsched = `{fxsched.DEFAULT_PIPELINE}`; "
+        f.write(f"Simulated on {model.hw.name} (roofline), world size {WORLD} (Llama-3-8B rows: {LLAMA3_WORLD}); fxsched = `{fxsched.DEFAULT_PIPELINE}`; "
                 f"{result['machine']}.\n\n" + table + "\n" + "\n".join(result["goals"]) + "\n")
     print(table)
     print("\n".join(result["goals"]))
