@@ -164,5 +164,10 @@ def check_budget(owner: str, field: str, value) -> None:
         raise ConfigError(f"{owner}: {field} must be at most {MAX_GB:g} GiB, got {value!r}")
 
 
+
+def check_ms(owner: str, field: str, value) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+        raise ValueError(f"{owner}: {field} must be a finite non-negative number of ms, got {value!r}")
+
 #: the largest budget: 2**63 bytes, beyond any memory and within a float's exact-enough range
 MAX_GB = float(2**33)

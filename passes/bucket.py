@@ -33,7 +33,6 @@ order.
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections import Counter
 
 import attrs
@@ -43,10 +42,9 @@ from ..cost.simulate import Simulation, simulate
 from ..ir import DATA, Cast, Compute, CopyOut, Launch, Phase, Program, Role, TensorType, View, Wait, holds
 from ..ir.holds import register_hold
 from ..ir.rewriter import Call, Operand, RewriteError, Rewriter
-from .base import ModulePass, PassContext, PassResult, check_budget, option, register_pass
-from .memory_cap import cap_bytes, resolve_cap
+from .base import ModulePass, PassContext, PassResult, check_budget, check_ms, option, register_pass
+from .memory_cap import GIB, cap_bytes, rewrite_cap, rewrite_stats
 
-GIB = 1 << 30
 MIB = 1 << 20
 
 EFFECT_EDGE = register_hold("bucket effect edge", "bucket: joining the bucket before it would move its launch or "
@@ -96,25 +94,13 @@ class Bucket(ModulePass):
     def __post_init__(self):
         for field in ("max-bucket-mb", "max-in-flight-gb", "max-peak-gb", "max-peak-increase-gb"):
             check_budget(self.name, field, getattr(self, field.replace("-", "_")))
-        if isinstance(self.min_saved_ms, bool) or not isinstance(self.min_saved_ms, (int, float)) \
-                or not math.isfinite(self.min_saved_ms) or self.min_saved_ms < 0:
-            raise ValueError(f"{self.name}: min-saved-ms must be a finite non-negative number of ms, "
-                             f"got {self.min_saved_ms!r}")
-
-    def peak_cap(self, input_peak: int, joint: float | None = None) -> float:
-        """The simulated peak memory a bucket may reach (unshard's `cap_bytes` semantics): its own
-        cap, or the joint one (`memory-cap`) in force when its options are unset; its own options
-        only tighten a joint cap."""
-        own = resolve_cap(self.max_peak_gb, self.max_peak_increase_gb, input_peak)
-        if joint is None:
-            return own
-        return joint if self.max_peak_gb == 0 and self.max_peak_increase_gb == 0 else min(own, joint)
+        check_ms(self.name, "min-saved-ms", self.min_saved_ms)
 
     def apply(self, ctx: PassContext, program: Program) -> PassResult:
         analysis = ctx.get(CostAnalysis, program)
         costs = dict(analysis.ms)
         before = current = simulate(program, costs=costs)
-        cap = self.peak_cap(before.peak_bytes, cap_bytes(ctx))
+        cap = rewrite_cap(self.max_peak_gb, self.max_peak_increase_gb, before.peak_bytes, cap_bytes(ctx))
         inflight_cap = max(self.max_in_flight_gb * GIB, before.max_inflight_bytes)
         held: dict[str, str] = {}
         bought: dict[str, dict] = {}
@@ -171,10 +157,7 @@ class Bucket(ModulePass):
             "gathers bucketed": sum(len(b["members"]) for b in bought.values() if b["kind"] == "gather"),
             "reduce-scatters bucketed": sum(len(b["members"]) for b in bought.values() if b["kind"] != "gather"),
             **Counter(held[n] for n in held if n in program.graph),
-            "peak_before_bytes": before.peak_bytes, "peak_after_bytes": current.peak_bytes,
-            "cap_bytes": cap if cap != float("inf") else None,
-            "step_before_ms": round(before.step_ms, 6), "step_after_ms": round(current.step_ms, 6),
-            "exposed_before_ms": round(before.exposed_ms, 6), "exposed_after_ms": round(current.exposed_ms, 6),
+            **rewrite_stats(before, current, cap),
             "bought": bought,
         }
         return PassResult(bool(bought), stats)

@@ -69,6 +69,25 @@ def resolve_cap(max_peak_gb: float, max_peak_increase_gb: float, peak_bytes: int
     return cap
 
 
+def rewrite_cap(max_peak_gb: float, max_peak_increase_gb: float, input_peak: int, joint: float | None) -> float:
+    """The peak a rewriting pass (bucket, unshard) may reach: its own cap, or the joint one
+    (`memory-cap`) in force when its own options are unset; its own options only tighten a joint cap."""
+    own = resolve_cap(max_peak_gb, max_peak_increase_gb, input_peak)
+    if joint is None:
+        return own
+    return joint if max_peak_gb == 0 and max_peak_increase_gb == 0 else min(own, joint)
+
+
+def rewrite_stats(before, after, cap: float) -> dict:
+    """A rewriting pass's statistics from the simulations before and after it: peak, cap, step, exposed."""
+    return {
+        "peak_before_bytes": before.peak_bytes, "peak_after_bytes": after.peak_bytes,
+        "cap_bytes": cap if cap != float("inf") else None,
+        "step_before_ms": round(before.step_ms, 6), "step_after_ms": round(after.step_ms, 6),
+        "exposed_before_ms": round(before.exposed_ms, 6), "exposed_after_ms": round(after.exposed_ms, 6),
+    }
+
+
 @register_pass
 @dataclasses.dataclass(frozen=True)
 class MemoryCap(ModulePass):

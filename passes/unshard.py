@@ -25,7 +25,6 @@ scheduling passes (`default,unshard{...}`), so the cap is checked on the final o
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections import Counter
 
 import attrs
@@ -35,10 +34,8 @@ from ..cost.simulate import simulate
 from ..ir import DATA, Cast, Free, Launch, Program, Role, Wait, storage_root
 from ..ir.holds import OVER_PEAK_CAP, register_hold
 from ..ir.rewriter import Rewriter
-from .base import ModulePass, PassContext, PassResult, check_budget, option, register_pass
-from .memory_cap import cap_bytes, resolve_cap
-
-GIB = 1 << 30
+from .base import ModulePass, PassContext, PassResult, check_budget, check_ms, option, register_pass
+from .memory_cap import cap_bytes, rewrite_cap, rewrite_stats
 
 OVER_CAP = OVER_PEAK_CAP  # keeping its forward replica for the backward would go over the cap
 NO_FORWARD_REPLICA = register_hold("no forward replica", "unshard: no single forward gather of the same shard, "
@@ -77,23 +74,12 @@ class Unshard(ModulePass):
     def __post_init__(self):
         check_budget(self.name, "max-peak-gb", self.max_peak_gb)
         check_budget(self.name, "max-peak-increase-gb", self.max_peak_increase_gb)
-        if isinstance(self.min_saved_ms, bool) or not isinstance(self.min_saved_ms, (int, float)) \
-                or not math.isfinite(self.min_saved_ms) or self.min_saved_ms < 0:
-            raise ValueError(f"{self.name}: min-saved-ms must be a finite non-negative number of ms, "
-                             f"got {self.min_saved_ms!r}")
-
-    def cap_bytes(self, input_peak: int, joint: float | None = None) -> float:
-        """Its own cap, or the joint one (`memory-cap`) in force when its options are unset;
-        its own options only tighten a joint cap."""
-        own = resolve_cap(self.max_peak_gb, self.max_peak_increase_gb, input_peak)
-        if joint is None:
-            return own
-        return joint if self.max_peak_gb == 0 and self.max_peak_increase_gb == 0 else min(own, joint)
+        check_ms(self.name, "min-saved-ms", self.min_saved_ms)
 
     def apply(self, ctx: PassContext, program: Program) -> PassResult:
         costs = ctx.get(CostAnalysis, program).ms
         before = current = simulate(program, costs=costs)
-        cap = self.cap_bytes(before.peak_bytes, cap_bytes(ctx))
+        cap = rewrite_cap(self.max_peak_gb, self.max_peak_increase_gb, before.peak_bytes, cap_bytes(ctx))
         candidates, held = find_candidates(program)
         pos = program.schedule.index
 
@@ -129,10 +115,7 @@ class Unshard(ModulePass):
         stats = {
             "unsharded": len(bought),
             **Counter(held.values()),
-            "peak_before_bytes": before.peak_bytes, "peak_after_bytes": current.peak_bytes,
-            "cap_bytes": cap if cap != float("inf") else None,
-            "step_before_ms": round(before.step_ms, 6), "step_after_ms": round(current.step_ms, 6),
-            "exposed_before_ms": round(before.exposed_ms, 6), "exposed_after_ms": round(current.exposed_ms, 6),
+            **rewrite_stats(before, current, cap),
             "bought": bought,
         }
         return PassResult(bool(bought), stats)
