@@ -10,8 +10,11 @@ place, so its own nodes (meta, names, users, everything callers hold) are put in
 
 from __future__ import annotations
 
+from operator import attrgetter, ne
+
 from torch import fx
-from torch.fx.node import map_arg
+from torch.fx.immutable_collections import immutable_dict
+from torch.fx.node import Node, map_arg
 
 try:  # torch-internal; without it, fall back to an eager recompile
     from torch.fx._lazy_graph_module import _LazyGraphModule as _GraphModule
@@ -95,7 +98,7 @@ def _raise(program: Program, lint: bool) -> fx.GraphModule:
     graph = fx.Graph(owning_module=source, tracer_cls=source.graph._tracer_cls)
     graph._codegen = source.graph._codegen
     env: dict[fx.Node, fx.Node] = {}
-    create, remap = graph.create_node, env.__getitem__
+    create, remap = _copier(graph), env.__getitem__
     ops, payload = program.graph._node, program.payload
     made: dict[str, fx.Node] = {}  # the nodes of ops a pass created, by name
 
@@ -113,7 +116,7 @@ def _raise(program: Program, lint: bool) -> fx.GraphModule:
             raise RaisingError(f"%{name} ({ops[name]['op'].KIND}) has no FX node to raise from")
         inputs, operands = node.all_input_nodes, ops[node.name]["op"].operands
         mapper = remap
-        if len(inputs) != len(operands) or any(o != n.name for o, n in zip(operands, inputs)):
+        if len(inputs) != len(operands) or any(map(ne, operands, map(_name, inputs))):
             # a rewriting pass changed what it reads: each FX input maps to its operand's node
             mapper = dict(zip(inputs, (value(o) for o in operands))).__getitem__
         # Graph.node_copy, less its `copy.meta = ...`: assigning an attribute of a node already in
@@ -129,6 +132,37 @@ def _raise(program: Program, lint: bool) -> fx.GraphModule:
     if lint:
         graph.lint()
     return gm
+
+
+_name = attrgetter("name")
+
+
+def _copier(graph: fx.Graph):
+    """`graph.create_node` for copies of nodes of another graph, less its walk of every argument
+    for raw symbolic scalars (it only warns; these arguments passed it when their node was made,
+    and nodes map to nodes): that walk, through torch's pytree, was a third of raising at 100k
+    nodes. Names, the insert point, the lookup table and node count are kept as create_node
+    keeps them. A graph whose module has create-node hooks, or a torch without these
+    internals, gets create_node itself."""
+    try:
+        namespace, insert, table = graph._graph_namespace, graph._insert, graph._find_nodes_lookup_table
+        graph._len  # noqa: B018  (checked here, incremented below)
+    except AttributeError:  # pragma: no cover  (another torch)
+        return graph.create_node
+    if getattr(graph.owning_module, "_create_node_hooks", None):
+        return graph.create_node
+    create_name, associate, add = namespace.create_name, namespace.associate_name_with_obj, table.insert
+
+    def create(op, target, args, kwargs, name, type_expr) -> fx.Node:
+        name = create_name(name, None)
+        node = Node(graph, name, op, target, args or (), kwargs or immutable_dict(), type_expr)
+        associate(name, node)
+        insert(node)
+        add(node)
+        graph._len += 1
+        return node
+
+    return create
 
 
 def _build(graph: fx.Graph, op, call: Call, value) -> fx.Node:
