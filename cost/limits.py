@@ -21,7 +21,7 @@ import bisect
 from collections.abc import Mapping
 from itertools import accumulate
 
-from ..ir import Cast, Launch, Program, View, Wait
+from ..ir import Cast, Launch, Program, View, waits_of
 from .simulate import Simulation, stream_of
 
 BUSY, REORDERABLE, MOVABLE, AT_LIMIT = "stream busy", "reorderable", "movable", "at legal limit"
@@ -43,8 +43,7 @@ def classify(program: Program, sim: Simulation, costs: Mapping[str, float]) -> d
     "rest": AT_LIMIT or MOVABLE}."""
     schedule = program.schedule
     pos = schedule.index
-    deadline = {n: min((pos(w) for w in program.users(n) if isinstance(program.op(w), Wait)), default=len(schedule))
-                for n in sim.started_ms}
+    deadline = {n: min(map(pos, waits_of(program, n)), default=len(schedule)) for n in sim.started_ms}
     by_stream: dict[str, list[tuple[float, str]]] = {}
     for n, start in sim.started_ms.items():
         by_stream.setdefault(stream_of(program.op(n)), []).append((start, n))
@@ -67,8 +66,7 @@ def classify(program: Program, sim: Simulation, costs: Mapping[str, float]) -> d
         earliest = max((pos(p) + 1 for n in chain for p in program.graph.pred[n] if p not in chain), default=0)
         travelling = sum(costs.get(n, 0.0) for n in chain if earliest <= pos(n) < pos(name))
         late_launch = work[pos(name)] - work[earliest] - travelling > 1e-12
-        late_wait = any(_slack_after(program, wait, work) > 1e-12 for wait in program.users(name)
-                        if isinstance(program.op(wait), Wait))
+        late_wait = any(_slack_after(program, wait, work) > 1e-12 for wait in waits_of(program, name))
         out[name] = {"queued": queued, "queue": REORDERABLE if later else BUSY,
                      "rest": MOVABLE if late_launch or late_wait else AT_LIMIT}
     return out

@@ -141,11 +141,25 @@ def collective_kind(target: str) -> str:
     return "other"
 
 
+def _coalesced_bytes(kind: str, op: Launch, program: Program, i: int) -> int:
+    """`collective_bytes` of a coalesced launch's result `i` (from its operand `i`)."""
+    out = op.types[i]
+    if kind != "all_gather":
+        a = _operand_type(program, op, i)
+        if a is not None and a.nbytes is not None:
+            return a.nbytes
+    if out.nbytes is None:
+        return 0
+    return out.nbytes * (op.group_size or 1) if kind == "reduce_scatter" else out.nbytes
+
+
 def collective_bytes(op: Launch, program: Program) -> int:
     """The bytes the bandwidth term counts: an all-gather's gathered output (its `nbytes` when
     the type is unknown), a reduce-scatter's input (its output × group size when the input's
-    type is unknown), otherwise the (first) input."""
+    type is unknown), otherwise the (first) input; a coalesced launch's, summed over its results."""
     kind = collective_kind(op.target)
+    if len(op.types) > 1:  # coalesced: every result, from every input
+        return sum(_coalesced_bytes(kind, op, program, i) for i in range(len(op.types))) or op.nbytes or 0
     if kind == "all_gather":
         out = _first_tensor(op.types)
         if out is not None and out.nbytes is not None:

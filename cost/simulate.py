@@ -130,8 +130,8 @@ def _simulate(program: Program, model: Any, costs: Mapping[str, float] | None, r
             exposed[name] = 0.0
             if record:
                 events.append(Event(name, stream, start, cost, op.KIND, op.target))
-        elif isinstance(op, Wait) and op.operands and op.operands[0] in coll_end:
-            launch = op.operands[0]
+        elif isinstance(op, Wait) and op.launched_by in coll_end:  # a coalesced launch's result: its launch
+            launch = op.launched_by
             end = coll_end[launch]
             if end > t:
                 exposed[launch] += end - t

@@ -7,11 +7,12 @@ from .ops import DTYPE_BYTES
 from .program import DATA, EFFECT, Program, Schedule
 from .text import ParseError, parse_program, print_op, print_program
 from .verify import VerifyError, verify, verify_moves
+from .waits import result_views, waits_of
 
 __all__ = [
     "BACKWARD", "DATA", "EffectError", "EFFECT", "ENTRY", "OP_KINDS", "Barrier", "Cast",
     "Compute", "Constant", "CopyOut", "Free", "Input", "Launch", "Marker", "Op", "Opaque", "Output", "ParseError",
     "Phase", "Program", "Role", "Schedule", "TensorType", "DTYPE_BYTES", "VerifyError", "View", "Wait", "derive_effects",
     "irop", "parse_program", "print_op", "print_program", "storage_readers", "storage_root",
-    "verify", "verify_moves",
+    "verify", "verify_moves", "result_views", "waits_of",
 ]

@@ -190,6 +190,11 @@ class CopyOut(Op):
 class Launch(Op):
     """A collective launch. `role` is set for FSDP collectives; others keep their relative order.
 
+    A coalesced launch (`*_coalesced`: several operands, one result per operand in `types`) is
+    waited result by result: each result is a `view` of the launch (FX's getitem), read by
+    exactly one `wait` that names the launch (`Wait.launch`). A bucket of them has `bucket` and
+    `params` (one member per result) and no copy-outs.
+
     `nbytes` is None when the size is unknown; `group_size` is the number of ranks in the
     process group (None when unknown). `anchor` names the node the launch should
     go just before (set by an anchoring pass); `hold` says why the launch stays where it is;
@@ -217,7 +222,17 @@ class Launch(Op):
 @irop("wait")
 @attrs.frozen(kw_only=True)
 class Wait(Op):
+    """Completes a launch: its operand is the launch, or (`launch` set) one result of a
+    coalesced launch, a view of it (FX's getitem) that only this wait reads."""
+
     target: str = ""
+    #: the coalesced launch whose result the operand is (None: the operand is the launch)
+    launch: str | None = None
+
+    @property
+    def launched_by(self) -> str | None:
+        """The launch this wait completes (None: a wait with no operand, which verify refuses)."""
+        return self.launch if self.launch is not None else (self.operands[0] if self.operands else None)
 
 
 @irop("free", effect=True)
@@ -248,9 +263,10 @@ class Barrier(Op):
 @irop("opaque", movable=False)
 @attrs.frozen(kw_only=True)
 class Opaque(Op):
-    """A collective, or a wait, that the passes do not schedule (coalesced collectives, a wait on
-    no launch, an unknown collective): it stays where it is, in order with the collectives of
-    its `group` (of every group when None), and writes what `writes` says. `reason` says why.
+    """A collective, or a wait, that the passes do not schedule (a collective not waited exactly
+    once, a coalesced one whose results are not each waited once, a wait on no launch): it stays
+    where it is, in order with the collectives of its `group` (of every group when None), and
+    writes what `writes` says. `reason` says why.
     `group_size` is the collective's rank count, where known (the ranks' agreement check reads it).
     """
 

@@ -12,6 +12,13 @@ An in-place op says what it writes, and whose storage its result shares:
 
     %t2 = compute "aten.add_.Tensor"(%t, %eps) {writes = [%t], alias = %t}
 
+A coalesced launch has a result per operand; each is a view (getitem) waited by a wait that
+names the launch:
+
+    %ag = launch "_c10d_functional.all_gather_into_tensor_coalesced.default"(%a, %b) : (f32[8], f32[8])
+    %r0 = view "getitem"(%ag) : f32[8]
+    %w0 = wait(%r0) {launch = %ag} : f32[8]
+
 One op per line in schedule order, with its result type(s) after `:` when known (`?` is an
 unknown extent, `none` a non-tensor output); ops after `^backward` are backward (an op may say `fwd`
 or `bwd` to differ). Effect edges are derived from the rules on parse; `effect %a -> %b`
@@ -86,7 +93,7 @@ def print_op(op: Op, region: Phase = Phase.FORWARD, with_phase: bool = True) -> 
             continue
         if value is True:
             attrs_out.append(key)
-        elif key in ("anchor", "alias"):  # references to nodes
+        elif key in ("anchor", "alias", "launch"):  # references to nodes
             attrs_out.append(f"{key} = {_ref(value)}")
         elif key == "writes":
             attrs_out.append("writes = [" + ", ".join(map(_ref, value)) + "]")
@@ -392,7 +399,8 @@ def parse_program(text: str) -> Program:
                 line.i = next(i for i, t in enumerate(line.tokens) if t[1] == f"%{operand}")
                 line.error(f"%{operand} is not defined")
             program.graph.add_edge(operand, op.name, kind=DATA)
-        for ref in (*op.writes, *((op.alias,) if op.alias is not None else ())):
+        refs = (*op.writes, *((op.alias,) if op.alias is not None else ()), *filter(None, (getattr(op, "launch", None),)))
+        for ref in refs:
             if ref not in defined:  # the effects below look them up (verify says they must be operands)
                 line.i = next(i for i, t in enumerate(line.tokens) if t[1] == f"%{ref}")
                 line.error(f"%{ref} is not defined")

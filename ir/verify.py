@@ -14,7 +14,7 @@ import networkx as nx
 from .effects import storage_readers, storage_root
 from .errors import InputError
 from .gcpause import gc_paused
-from .ops import Free, Input, Launch, Marker, Output, Phase, Wait
+from .ops import Free, Input, Launch, Marker, Output, Phase, View, Wait
 from .program import DATA, Program
 
 
@@ -78,12 +78,29 @@ def _structure(program: Program) -> list[str]:
     # the rules below are for waits and launches only: pick them out in C, not node by node
     for name, op in compress(zip(node, ops), map(isinstance, ops, repeat((Wait, Launch)))):
         if isinstance(op, Wait):
+            if op.launch is not None:  # one result of a coalesced launch: a view of it
+                source = node[op.operands[0]]["op"] if len(op.operands) == 1 and op.operands[0] in node else None
+                if (not isinstance(source, View) or source.operands != (op.launch,)
+                        or not isinstance(node.get(op.launch, {}).get("op"), Launch)):
+                    problems.append(f"%{name}: a wait naming launch %{op.launch} must have exactly one operand, a "
+                                    f"view of that launch (one of its results); has {list(op.operands)}")
+                continue
             launches = [p for p in op.operands if isinstance(node[p]["op"], Launch)]
             if len(op.operands) != 1 or len(launches) != 1:
                 problems.append(f"%{name}: a wait must have exactly one operand, a launch; has {list(op.operands)}")
         else:  # a launch
-            waits = [u for u, e in succ[name].items() if e["kind"] == DATA and isinstance(node[u]["op"], Wait)]
-            if len(waits) != 1:
+            users = [u for u, e in succ[name].items() if e["kind"] == DATA]
+            waits = [u for u in users if isinstance(node[u]["op"], Wait)]
+            results = [u for u in users if isinstance(node[u]["op"], View)
+                       and any(getattr(node[w]["op"], "launch", None) == name for w in succ[u])]
+            if results:  # coalesced: each user is a result view read by one wait naming the launch
+                for view in users:
+                    readers = [u for u, e in succ[view].items() if e["kind"] == DATA]
+                    if (view not in results or len(readers) != 1 or not isinstance(node[readers[0]]["op"], Wait)
+                            or node[readers[0]]["op"].launch != name):
+                        problems.append(f"%{name}: a coalesced launch's every user must be a view of one result "
+                                        f"read by exactly one wait naming it; %{view} is not")
+            elif len(waits) != 1:
                 problems.append(f"%{name}: a launch must have exactly one wait; has {len(waits)}")
             if op.anchor is not None and (op.anchor not in node or op.anchor == name):  # every reference an op holds
                 problems.append(f"%{name}: anchor {op.anchor if op.anchor.startswith('^') else '%' + op.anchor} "

@@ -93,7 +93,8 @@ class _Target(NamedTuple):
     schema: Any  # the op's FunctionSchema (call_function only), else None
     collective: bool  # a functional collective (launch or wait)
     wait: bool  # a functional collective's wait_tensor
-    all_gather: bool  # a functional all_gather_into_tensor
+    coalesced: bool  # a functional collective returning a list (`*_coalesced`: one result per input)
+    all_gather: bool  # a functional all_gather_into_tensor (also `_out` and `_coalesced`)
     view: bool  # the result aliases the first operand (getitem, or a schema alias that is read only)
     may_copy: bool  # a view by schema that may copy instead (a CompositeImplicit op: reshape, contiguous, to)
     written: tuple[tuple[int, str], ...]  # (position, name) of the arguments the schema writes
@@ -183,7 +184,9 @@ def _classify(op: str, target) -> _Target:
         schema=schema,
         collective=collective,
         wait=collective and schema.name.endswith("::wait_tensor"),
-        all_gather=schema is not None and schema.name.endswith(("::all_gather_into_tensor", "::all_gather_into_tensor_out")),
+        coalesced=collective and bool(schema.returns) and isinstance(schema.returns[0].type, torch.ListType),
+        all_gather=schema is not None and schema.name.endswith(("::all_gather_into_tensor", "::all_gather_into_tensor_out",
+                                                                "::all_gather_into_tensor_coalesced")),
         view=view,
         may_copy=may_copy,
         written=written,
@@ -268,6 +271,7 @@ class _Lowering:
         self.types: dict = {}
         self.storages: dict[fx.Node, int | None] = {}  # storage identity of meta["val"]
         self.launches: set[str] = set()  # names lowered as a Launch (what a Wait may wait on)
+        self.coalesced: set[str] = set()  # those of them that are coalesced (waited through getitems)
         self.launch_writes: dict[str, tuple[str, ...]] = {}
         self.output: str | None = None  # the output's name, once lowered
 
@@ -280,11 +284,36 @@ class _Lowering:
             return found
 
     def opaque(self, node: fx.Node) -> bool:
-        """A collective whose result is not waited exactly once: it cannot be reasoned about."""
+        """A collective whose result is not waited exactly once (a coalesced one: each of its
+        results): it cannot be reasoned about."""
         if node.op != "call_function":
             return False
         info = self.target(node)
-        return info.collective and not info.wait and not self.waited_once(node)
+        return info.collective and not info.wait and not self.waited(node)
+
+    def waited(self, node: fx.Node) -> bool:
+        """`waited_once`; for a coalesced collective, `coalesced_results`."""
+        return self.coalesced_results(node) is not None if self.target(node).coalesced else self.waited_once(node)
+
+    def coalesced_results(self, node: fx.Node) -> list[fx.Node] | None:
+        """A coalesced collective's getitems, one per result, each waited once (`waited_once`);
+        None when it has another user, a result taken twice or not at all, or is no functional
+        coalesced one (an in-place one, `all_reduce_coalesced_`, stays opaque)."""
+        info = self.target(node)
+        if not info.coalesced or info.written or not node.users:
+            return None
+        # one result per input (the first argument, a list): each must be waited
+        inputs = node.args[0] if node.args else None
+        count = len(inputs) if isinstance(inputs, (list, tuple)) else None
+        indices = []
+        for user in node.users:
+            if (user.op != "call_function" or user.target is not operator.getitem or len(user.args) != 2
+                    or not isinstance(user.args[1], int) or not self.waited_once(user)):
+                return None
+            indices.append(user.args[1])
+        if count is None or sorted(indices) != list(range(count)):
+            return None
+        return list(node.users)
 
     def waited_once(self, node: fx.Node) -> bool:
         """The node's one user is a wait on it alone (so it lowers to the launch's Wait)."""
@@ -453,7 +482,11 @@ class _Lowering:
         writes, alias, _ = self.writes(node, info)
         group = _group(node, info)
         if info.wait:
-            source = node.all_input_nodes[0].name if len(node.all_input_nodes) == 1 else None
+            source = node.all_input_nodes[0] if len(node.all_input_nodes) == 1 else None
+            if (source is not None and source.target is operator.getitem and isinstance(source.args[0], fx.Node)
+                    and source.args[0].name in self.coalesced):
+                return Wait(target=target, launch=source.args[0].name, **base)  # one result of a coalesced launch
+            source = source.name if source is not None else None
             if source not in self.launches:
                 self.notes.append(f"%{node.name}: wait on {['%' + n.name for n in node.all_input_nodes]}, not on a "
                                   "launch: kept in place, in order with every group's collectives")
@@ -465,7 +498,8 @@ class _Lowering:
             return Wait(target=target, writes=(source,) if launch_writes else (), alias=source if launch_writes else None,
                         **base)
         if self.opaque(node):
-            reason = ("coalesced collective" if "coalesced" in target else "collective not waited exactly once")
+            reason = ("coalesced collective whose results are not each waited once" if info.coalesced
+                      else "collective not waited exactly once")
             self.notes.append(f"%{node.name}: {target}: {reason}: kept in place, in order with group {group!r}")
             return Opaque(target=target, group=group, group_size=_group_size(node, info), reason=reason,
                           writes=writes, **base)
@@ -473,15 +507,20 @@ class _Lowering:
             self.notes.append(f"%{node.name}: comm_type={comm_type!r} on {target}: not a gather, kept in order")
         role = Role.REDUCE_SCATTER if comm_type == REDUCE_SCATTER_TAG else None
         self.launches.add(node.name)
+        if info.coalesced:
+            self.coalesced.add(node.name)
         self.launch_writes[node.name] = writes
         return Launch(target=target, group=group, group_size=_group_size(node, info), role=role, writes=writes,
                       alias=alias, reduce_op=_reduce_op(node, info), **base)
 
     def gather(self, node: fx.Node, target: str, role: Role, base: dict) -> Launch:
         users = list(node.users)
-        if not self.waited_once(node):
+        info = self.target(node)
+        if not self.waited(node):
+            must = ("a getitem per result, each with one user, a wait_tensor" if info.coalesced
+                    else "exactly one user, a wait_tensor")
             raise LoweringError(
-                f"FSDP gather %{node.name} ({node.meta[tags.COMM_TYPE]}) must have exactly one user, a wait_tensor; "
+                f"FSDP gather %{node.name} ({node.meta[tags.COMM_TYPE]}) must have {must}; "
                 f"it has {[u.name for u in users]}")
         meta = node.meta
         hold = None
@@ -501,8 +540,9 @@ class _Lowering:
             else:
                 self.notes.append(f"%{node.name}: param_name={name!r} is not a name: not moved")
                 params, hold = (), NO_PARAMETER_NAME
-        info = self.target(node)
         self.launches.add(node.name)
+        if info.coalesced:
+            self.coalesced.add(node.name)
         # an `_out` gather (a bucket gathered into its packed buffer) writes its out buffer
         writes, alias, _ = self.writes(node, info)
         self.launch_writes[node.name] = writes

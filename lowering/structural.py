@@ -20,12 +20,18 @@ where every shard traces back to a floating graph input. It gets `fsdp_bucket_id
 name) and `fsdp_bucket_members` (the shards' graph inputs, in pack order) besides `comm_type`
 and the gathered buffer's size; the `aten.clone`s its wait reaches through views (one per member:
 the copy-outs) get `fsdp_bucket_copy_out`, so that they sink with the wait (ir: `copy_out`).
+An `all_gather_into_tensor_coalesced` of such shards, each result taken by a getitem that only
+its `wait_tensor` reads, is a bucket of its own (members in input order, no copy-outs; ir: one
+launch, a wait per result).
 
 A gradient reduction is a functional `reduce_scatter_tensor` (FSDP) or `all_reduce` (DDP, and
 HSDP's replicate step) whose only user is its `wait_tensor` and whose waited result reaches
 nothing but the graph output: through single-input casts, views, layout copies and scalar
 arithmetic (a bf16 gradient cast to fp32, divided by the world size), or through another
-gradient reduction (HSDP's reduce-scatter then all-reduce). It is tagged
+gradient reduction (HSDP's reduce-scatter then all-reduce); their `_coalesced` forms
+(Inductor's `bucket_mode="coalesced"`) when every result, waited through its getitem, does so.
+Nodes past the first one marked `autograd_backward` are backward, as lowering reads them (a
+bucketing pass may not have marked what it added). It is tagged
 `comm_type="fsdp_reduce_scatter"` (lowering gives it the role `overlap-reduce-scatter` acts on)
 and `fsdp_gradient_reduction` with its kind. Collectives of tensor parallelism act on
 activations: their results feed compute, or their inputs are computed, so they are neither
@@ -56,11 +62,11 @@ STRUCTURAL_TAG = tags.STRUCTURAL
 REDUCTION_TAG = tags.GRADIENT_REDUCTION  # the kind of a recognised gradient reduction
 _TAG_KEYS = (tags.COMM_TYPE, tags.PARAM_NAME, tags.UNSHARDED_NBYTES, REDUCTION_TAG, tags.BUCKET_ID,
              tags.BUCKET_MEMBERS, tags.BUCKET_COPY_OUT, STRUCTURAL_TAG)
-_GATHERS = ("all_gather_into_tensor", "all_gather_into_tensor_out")
+_GATHERS = ("all_gather_into_tensor", "all_gather_into_tensor_out", "all_gather_into_tensor_coalesced")
 _PRE_BUCKET_GATHER = "bucketing::_pre_bucket_all_gather"  # Inductor's custom-op pack of a bucket (its first argument: the shards)
 _CAT = "aten::cat"
 _EMPTY = ("aten::empty", "aten::empty_strided", "aten::new_empty")
-_REDUCTIONS = ("reduce_scatter_tensor", "all_reduce")
+_REDUCTIONS = ("reduce_scatter_tensor", "all_reduce", "reduce_scatter_tensor_coalesced", "all_reduce_coalesced")
 _CASTS = {"prims::convert_element_type", "aten::_to_copy", "aten::to"}
 # single-input ops that re-lay out a shard without changing what it holds, though their schema
 # does not declare an alias (or copies): still "the parameter's shard"
@@ -82,6 +88,7 @@ class StructuralGather:
     path: tuple[str, ...]  # the casts/views between the graph input and the gather, input first
     members: tuple[str, ...] = ()  # a bucket's graph inputs, in pack order (empty: not a bucket)
     copy_outs: tuple[str, ...] = ()  # a bucket's clones that copy its members out of the gathered buffer
+    waits: tuple[str, ...] = ()  # a coalesced gather's wait per result (its first is `wait`)
 
     @property
     def bucket(self) -> str | None:
@@ -89,7 +96,7 @@ class StructuralGather:
 
     def as_dict(self) -> dict[str, Any]:
         return attrs.asdict(self, recurse=False) | {"path": list(self.path), "members": list(self.members),
-                                                    "copy_outs": list(self.copy_outs)}
+                                                    "copy_outs": list(self.copy_outs), "waits": list(self.waits)}
 
 
 @attrs.frozen
@@ -98,12 +105,13 @@ class StructuralReduction:
 
     launch: str
     wait: str
-    kind: str                # "reduce_scatter_tensor" or "all_reduce"
+    kind: str                # "reduce_scatter_tensor" or "all_reduce" (or their `_coalesced` forms)
     group: str | None
-    tail: tuple[str, ...]    # the casts/views/scalar ops (and later reductions) from the wait to the output
+    tail: tuple[str, ...]    # the casts/views/scalar ops (and later reductions) from the wait(s) to the output
+    waits: tuple[str, ...] = ()  # a coalesced reduction's wait per result (its first is `wait`)
 
     def as_dict(self) -> dict[str, Any]:
-        return attrs.asdict(self, recurse=False) | {"tail": list(self.tail)}
+        return attrs.asdict(self, recurse=False) | {"tail": list(self.tail), "waits": list(self.waits)}
 
 
 @attrs.define
@@ -122,6 +130,10 @@ class StructuralResult:
                  f"reductions tagged, {len(self.skipped)} skipped"]
         for g in self.tagged:
             via = "".join(f" → %{p}" for p in g.path)
+            if g.waits:
+                lines.append(f"  %{g.launch}: {g.phase} coalesced gather of {', '.join('%' + m for m in g.members)}, "
+                             f"{'size unknown' if g.nbytes is None else f'{g.nbytes} bytes'}")
+                continue
             if g.members:
                 lines.append(f"  %{g.launch}: {g.phase} bucketed gather of {', '.join('%' + m for m in g.members)}, "
                              f"{'size unknown' if g.nbytes is None else f'{g.nbytes} bytes'}, "
@@ -131,7 +143,8 @@ class StructuralResult:
                          f"{'size unknown' if g.nbytes is None else f'{g.nbytes} bytes'}")
         for r in self.reductions:
             via = "".join(f" → %{p}" for p in r.tail)
-            lines.append(f"  %{r.launch}: gradient {r.kind} → %{r.wait}{via} → output")
+            waits = ", ".join(f"%{w}" for w in r.waits) if r.waits else f"%{r.wait}"
+            lines.append(f"  %{r.launch}: gradient {r.kind} → {waits}{via} → output")
         lines += [f"  %{n}: not tagged: {r}" for n, r in self.skipped]
         return "\n".join(lines)
 
@@ -188,6 +201,9 @@ def _trace_to_input(node: fx.Node) -> tuple[fx.Node | None, list[fx.Node], fx.No
 
 def _nbytes(node: fx.Node) -> int | None:
     value = node.meta.get("val")
+    if isinstance(value, (list, tuple)) and value and all(isinstance(v, torch.Tensor) for v in value):  # coalesced
+        sizes = [v.numel() * v.dtype.itemsize for v in value]
+        return sum(sizes) if all(isinstance(n, int) for n in sizes) else None
     if not isinstance(value, torch.Tensor):
         return None
     numel = value.numel()
@@ -213,10 +229,24 @@ def _passes_gradient_through(node: fx.Node) -> bool:
     return numel is not None and numel == source
 
 
-def _phase(node: fx.Node, phase: str | None) -> str:
+def _phase(node: fx.Node, phase: str | None, backward: set[fx.Node] | None = None) -> str:
+    """`phase`, else the node's own: backward when marked so or (`backward`) past the first node
+    marked so, as lowering reads it (a pass that added nodes there may not have marked them)."""
     if phase is not None:
         return phase
+    if backward is not None:
+        return "backward" if node in backward else "forward"
     return "backward" if node.meta.get(tags.AUTOGRAD_BACKWARD) else "forward"
+
+
+def _backward_nodes(graph: fx.Graph) -> set[fx.Node]:
+    """The nodes lowering puts in the backward phase: the first marked backward and all after it."""
+    found, seen = set(), False
+    for node in graph.nodes:
+        seen = seen or bool(node.meta.get(tags.AUTOGRAD_BACKWARD))
+        if seen and node.op != "output":
+            found.add(node)
+    return found
 
 
 def _check_args(phase: str | None, groups) -> frozenset[str] | None:
@@ -234,6 +264,7 @@ def find_fsdp_gathers(graph: fx.Graph | fx.GraphModule, *, phase: str | None = N
     `groups`: when given, only gathers on these process groups (names) can be FSDP ones."""
     groups = _check_args(phase, groups)
     graph = graph.graph if isinstance(graph, fx.GraphModule) else graph
+    backward = _backward_nodes(graph) if phase is None else None
     for node in graph.nodes:
         if not any(_is_collective(node, op) for op in _GATHERS):
             continue
@@ -244,6 +275,20 @@ def find_fsdp_gathers(graph: fx.Graph | fx.GraphModule, *, phase: str | None = N
             yield node, None, f"its group {_group(node)!r} is not one of the FSDP groups {sorted(groups)}"
             continue
         users = list(node.users)
+        if _coalesced(node):  # a bucket of its own: a result per shard, each waited through its getitem
+            waits = _waits(node)
+            if waits is None:
+                yield node, None, f"its users are {[u.name for u in users]}, not a getitem per result, each waited once"
+                continue
+            pieces = node.args[0] if node.args else node.kwargs.get("inputs", ())
+            members, why = _members(pieces)
+            if why is not None:
+                yield node, None, why
+                continue
+            yield node, StructuralGather(launch=node.name, wait=waits[0].name, param_name=node.name,
+                                         phase=_phase(node, phase, backward), nbytes=_nbytes(node), path=(),
+                                         members=members, waits=tuple(w.name for w in waits)), None
+            continue
         if len(users) != 1 or not _is_collective(users[0], "wait_tensor"):
             yield node, None, f"its users are {[u.name for u in users]}, not exactly one wait_tensor"
             continue
@@ -256,21 +301,13 @@ def find_fsdp_gathers(graph: fx.Graph | fx.GraphModule, *, phase: str | None = N
             yield node, None, why
             continue
         if shards is not None:  # a bucket: every packed shard is a parameter's
-            members = []
-            for piece in shards:
-                source, _, stop = _trace_to_input(piece) if isinstance(piece, fx.Node) else (None, [], piece)
-                if source is None:
-                    yield node, None, (f"bucket member %{getattr(stop, 'name', stop)} does not trace back to a graph "
-                                       "input through single-input casts/views")
-                    break
-                if (why := _not_a_parameter(source)) is not None:
-                    yield node, None, "bucket member " + why
-                    break
-                members.append(source.name)
+            members, why = _members(shards)
+            if why is not None:
+                yield node, None, why
             else:
                 yield node, StructuralGather(launch=node.name, wait=users[0].name, param_name=node.name,
-                                             phase=_phase(node, phase), nbytes=_nbytes(node), path=(),
-                                             members=tuple(members), copy_outs=tuple(_copy_outs(users[0]))), None
+                                             phase=_phase(node, phase, backward), nbytes=_nbytes(node), path=(),
+                                             members=members, copy_outs=tuple(_copy_outs(users[0]))), None
             continue
         source, path, stop = _trace_to_input(shard)
         if source is None:
@@ -281,8 +318,52 @@ def find_fsdp_gathers(graph: fx.Graph | fx.GraphModule, *, phase: str | None = N
             yield node, None, "its " + why
             continue
         yield node, StructuralGather(launch=node.name, wait=users[0].name, param_name=source.name,
-                                     phase=_phase(node, phase), nbytes=_nbytes(node),
+                                     phase=_phase(node, phase, backward), nbytes=_nbytes(node),
                                      path=tuple(p.name for p in path)), None
+
+
+def _members(shards) -> tuple[tuple[str, ...], str | None]:
+    """A bucket's members (the graph inputs its shards trace back to, in order), or why not one."""
+    members = []
+    for piece in shards:
+        source, _, stop = _trace_to_input(piece) if isinstance(piece, fx.Node) else (None, [], piece)
+        if source is None:
+            return (), (f"bucket member %{getattr(stop, 'name', stop)} does not trace back to a graph input "
+                        "through single-input casts/views")
+        if (why := _not_a_parameter(source)) is not None:
+            return (), "bucket member " + why
+        members.append(source.name)
+    return tuple(members), None
+
+
+def _coalesced(node: fx.Node) -> bool:
+    """A `*_coalesced` functional collective (a list of inputs, a result per input)."""
+    name = _schema_name(node)
+    return name is not None and name.endswith("_coalesced") and _is_collective(node)
+
+
+def _waits(node: fx.Node) -> list[fx.Node] | None:
+    """The waits completing a functional collective: its one wait_tensor, or (coalesced) one per
+    result, each on a getitem that only it reads; None when it is not waited so."""
+    if not _coalesced(node):
+        wait = _single_wait(node)
+        return None if wait is None else [wait]
+    inputs = node.args[0] if node.args else None  # one result per input: each must be waited
+    count = len(inputs) if isinstance(inputs, (list, tuple)) else None
+    waits, indices = [], []
+    for user in node.users:
+        if (user.op != "call_function" or user.target is not operator.getitem or len(user.args) != 2
+                or not isinstance(user.args[1], int)):
+            return None
+        wait = _single_wait(user)
+        if wait is None:
+            return None
+        waits.append(wait)
+        indices.append(user.args[1])
+    if not waits or count is None or sorted(indices) != list(range(count)):
+        return None
+    position = {n: i for i, n in enumerate(node.graph.nodes)}
+    return sorted(waits, key=position.__getitem__)
 
 
 def _not_a_parameter(source: fx.Node) -> str | None:
@@ -392,6 +473,7 @@ def find_gradient_reductions(graph: fx.Graph | fx.GraphModule, *, phase: str | N
     gradient reduction or None, why not). `phase`, `groups`: as for `find_fsdp_gathers`."""
     groups = _check_args(phase, groups)
     graph = graph.graph if isinstance(graph, fx.GraphModule) else graph
+    backward = _backward_nodes(graph) if phase is None else None
     position = {n: i for i, n in enumerate(graph.nodes)}
     for node in graph.nodes:
         kind = _reduction_kind(node)
@@ -403,20 +485,27 @@ def find_gradient_reductions(graph: fx.Graph | fx.GraphModule, *, phase: str | N
         if groups is not None and _group(node) not in groups:
             yield node, None, f"its group {_group(node)!r} is not one of the FSDP groups {sorted(groups)}"
             continue
-        if _phase(node, phase) != "backward":
+        if _phase(node, phase, backward) != "backward":
             yield node, None, "a forward collective: not a gradient's reduction"
             continue
-        wait = _single_wait(node)
-        if wait is None:
-            yield node, None, f"its users are {[u.name for u in node.users]}, not exactly one wait_tensor"
+        waits = _waits(node)
+        if waits is None:
+            want = "a getitem per result, each waited once" if _coalesced(node) else "exactly one wait_tensor"
+            yield node, None, f"its users are {[u.name for u in node.users]}, not {want}"
             continue
-        tail, stop = _tail_to_output(wait)
+        tail, stop = [], None
+        for wait in waits:
+            more, stop = _tail_to_output(wait)
+            tail += more
+            if stop is not None:
+                break
         if stop is not None:
             yield node, None, (f"its result reaches %{stop.name} ({stop.op} {stop.target}), not only the graph "
                                f"output through casts/views: an activation's collective")
             continue
-        yield node, StructuralReduction(launch=node.name, wait=wait.name, kind=kind, group=_group(node),
-                                        tail=tuple(n.name for n in sorted(tail, key=position.__getitem__))), None
+        yield node, StructuralReduction(launch=node.name, wait=waits[0].name, kind=kind, group=_group(node),
+                                        tail=tuple(n.name for n in sorted(set(tail), key=position.__getitem__)),
+                                        waits=tuple(w.name for w in waits) if _coalesced(node) else ()), None
 
 
 def tag_fsdp_gathers(graph: fx.Graph | fx.GraphModule, *, phase: str | None = None, groups=None) -> StructuralResult:

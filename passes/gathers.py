@@ -13,7 +13,7 @@ from operator import itemgetter
 
 import attrs
 
-from ..ir import DATA, Cast, CopyOut, Input, Launch, Phase, Program, View, Wait, holds
+from ..ir import DATA, Cast, CopyOut, Input, Launch, Phase, Program, View, Wait, holds, result_views, waits_of
 from .base import Analysis
 
 
@@ -27,7 +27,7 @@ def held_by_lowering(op: Launch) -> bool:
 class Gather:
     launch: str
     chain: tuple[str, ...]        # what moves with the launch, in entry order, launch last
-    realization: tuple[str, ...]  # wait, views and copy-outs, in entry order
+    realization: tuple[str, ...]  # wait, views and copy-outs, in entry order (coalesced: getitems, waits, views)
     first_consumer: str
     phase: Phase
 
@@ -62,9 +62,13 @@ class GatherAnalysis(Analysis):
             if not op.is_gather:
                 continue
             waits = [u for u in _data_users(succ, name) if isinstance(node[u]["op"], Wait)]
-            if len(waits) != 1:
+            results = [] if waits else result_views(program, name)  # a coalesced launch's getitems
+            if results:
+                waits = waits_of(program, name)
+            elif len(waits) != 1:
                 continue
-            realization, consumers = _realize(program, waits[0], op.bucket)
+            realization, consumers = _realize(program, waits, op.bucket)
+            realization.update(results)
             if not consumers:
                 unconsumed.append(name)
                 continue
@@ -86,11 +90,11 @@ def _data_users(succ: dict, name: str) -> list[str]:
     return [u for u, e in succ[name].items() if e["kind"] == DATA]
 
 
-def _realize(program: Program, wait: str, bucket: str | None) -> tuple[set[str], set[str]]:
-    """The wait plus every view and own-bucket copy-out reachable from it; and their other users."""
+def _realize(program: Program, waits: list[str], bucket: str | None) -> tuple[set[str], set[str]]:
+    """The waits plus every view and own-bucket copy-out reachable from them; and their other users."""
     node, succ = program.node_data, program.successors
-    realization, consumers = {wait}, set()
-    stack = [wait]
+    realization, consumers = set(waits), set()
+    stack = list(waits)
     while stack:
         for user in _data_users(succ, stack.pop()):
             op = node[user]["op"]

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from ..ir import Cast, Compute, Launch, Program, Role, View, Wait
+from ..ir import Cast, Compute, Launch, Program, Role, View, waits_of
 from .base import ModulePass, PassContext, PassResult, check_budget, option, register_pass
 from .budget import MaxTree
 from .gathers import GatherAnalysis
@@ -53,29 +53,32 @@ class OverlapReduceScatter(ModulePass):
             stats["hoisted"] = sum(_hoist(program, name, room) for name in launches)
         tail_sunk = 0  # moves too, even where no wait follows them
         for name in launches:
-            waits = [u for u in program.users(name) if isinstance(program.op(u), Wait)]
-            wait = waits[0]
+            # one wait, or a coalesced launch's wait per result: in flight until the last
+            waits = sorted(waits_of(program, name), key=schedule.index)
             # views of the result (a bucket's per-parameter slices) and casts of it (to the
             # gradient's dtype) go down to their uses first, so that the wait can follow them
-            tail_sunk += sink_in_order(program, sorted(_tail_of(program, wait), key=schedule.index), room)
-            succ = program.graph.succ[wait]
-            if not succ:
+            for wait in waits:
+                tail_sunk += sink_in_order(program, sorted(_tail_of(program, wait), key=schedule.index), room)
+            targets = {}
+            for wait in waits:
+                succ = program.graph.succ[wait]
+                if succ and schedule.index(target := min(succ, key=schedule.index)) > schedule.index(wait) + 1:
+                    targets[wait] = target
+            if not targets:
                 stats["in place"] += 1
                 continue
-            target = min(succ, key=schedule.index)
-            if schedule.index(target) <= schedule.index(wait) + 1:
-                stats["in place"] += 1
-                continue
-            operand = program.op(name).operands[0] if program.op(name).operands else None
-            nbytes = program.op(operand).nbytes_out if operand is not None else 0
-            lo, hi = schedule.index(name), schedule.index(target)
+            op = program.op(name)
+            sources = op.operands if len(op.types) > 1 else op.operands[:1]  # coalesced: every input
+            nbytes = sum(program.op(o).nbytes_out for o in dict.fromkeys(sources))
+            lo, hi = schedule.index(name), max(map(schedule.index, targets.values()))
             if tree.max(lo, hi) + nbytes > limit:
                 stats["over budget"] += 1
                 continue
             tree.add(lo, hi, nbytes)
-            schedule.move_before([wait], target)
-            if room is not None:
-                room.moved([wait], target)
+            for wait, target in targets.items():
+                schedule.move_before([wait], target)
+                if room is not None:
+                    room.moved([wait], target)
             stats["overlapped"] += 1
         if room is not None:
             stats[OVER_PEAK_CAP] = room.refused
@@ -88,8 +91,9 @@ def _hoist(program: Program, launch: str, room: Headroom | None = None) -> bool:
     schedule = program.schedule
     pred = program.graph.pred
     members = program.private_feeders(launch, (View,))
-    chain = sorted(members, key=schedule.index)
-    at = max((schedule.index(p) for n in chain for p in pred[n] if p not in members), default=-1) + 1
+    at = max((schedule.index(p) for n in members for p in pred[n] if p not in members), default=-1) + 1
+    # a coalesced launch's views of several gradients: those already above `at` stay there
+    chain = sorted((n for n in members if schedule.index(n) >= at), key=schedule.index)
     while chain and schedule.index(chain[0]) == at:  # already in place
         chain.pop(0)
         at += 1

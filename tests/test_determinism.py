@@ -151,9 +151,10 @@ def test_fingerprint_sees_a_swap_a_group_and_a_size():
 
 
 def test_fingerprint_counts_opaque_collectives_in_fx_in_a_program_and_in_its_text():
-    """Coalesced collectives are opaque ops (issue 12): ranks must agree on their order as on
-    any other collective's, so the IR fingerprint counts them as the FX one does — waits on no
-    launch are waits, not collectives."""
+    """A coalesced collective is a launch (each result waited through its getitem) or, when it is
+    not waited so, an opaque op (issue 12): ranks must agree on their order as on any other
+    collective's, so the IR fingerprint counts both as the FX one does — waits on no launch are
+    waits, not collectives."""
     from torch import fx, nn
 
     c10d = torch.ops._c10d_functional
@@ -163,21 +164,22 @@ def test_fingerprint_counts_opaque_collectives_in_fx_in_a_program_and_in_its_tex
     ag.meta.update(comm_type="fsdp_all_gather", param_name="p", fsdp_unsharded_nbytes=64)
     done = g.call_function(c10d.wait_tensor.default, (ag,))
     outs = [done]
-    for op, args in ((c10d.all_gather_into_tensor_coalesced.default, ([a, b], 2, "0")),
-                     (c10d.reduce_scatter_tensor_coalesced.default, ([a, b], "sum", 2, "0"))):
-        coalesced = g.call_function(op, args)
+    for op, args, waited in ((c10d.all_gather_into_tensor_coalesced.default, ([a, b], 2, "0"), 2),
+                             (c10d.reduce_scatter_tensor_coalesced.default, ([a, b], "sum", 2, "0"), 1)):
+        coalesced = g.call_function(op, args)  # the reduce-scatter's second result is never waited: opaque
         outs += [g.call_function(c10d.wait_tensor.default, (g.call_function(operator.getitem, (coalesced, i)),))
-                 for i in range(2)]
+                 for i in range(waited)]
     g.output(tuple(outs))
     gm = fx.GraphModule(nn.Module(), g)
     program = lower(gm)
     text = print_program(program)
-    assert 'opaque "_c10d_functional.all_gather_into_tensor_coalesced.default"' in text
+    assert '= launch "_c10d_functional.all_gather_into_tensor_coalesced.default"' in text
+    assert '= opaque "_c10d_functional.reduce_scatter_tensor_coalesced.default"' in text
     kinds = [e["kind"].split(".")[1] for e in collective_entries(parse_program(text))]
     assert kinds == ["all_gather_into_tensor", "all_gather_into_tensor_coalesced", "reduce_scatter_tensor_coalesced"]
     assert fingerprint(gm) == fingerprint(program) == fingerprint(parse_program(text))
     lines = text.splitlines()
-    at = [i for i, line in enumerate(lines) if "_coalesced" in line and "= opaque" in line]
+    at = [i for i, line in enumerate(lines) if "_coalesced" in line and ("= opaque" in line or "= launch" in line)]
     lines[at[0]], lines[at[1]] = lines[at[1]], lines[at[0]]  # the two coalesced collectives swapped
     assert fingerprint(parse_program("\n".join(lines) + "\n")) != fingerprint(program)
 

@@ -382,7 +382,9 @@ def test_contiguous_and_reshape_read_after_the_free_are_no_use_after_free(with_v
         verify(fxsched.schedule(gm, pipeline).program)
 
 
-def test_coalesced_collectives_and_waits_on_no_launch_are_opaque_and_the_rest_is_scheduled():
+def test_coalesced_collectives_not_waited_per_result_and_waits_on_no_launch_are_opaque_and_the_rest_is_scheduled():
+    """A coalesced collective whose every result is waited (through its getitem) is a launch
+    (tests/test_coalesced.py); one with a result left unwaited, or read by more than its wait, is opaque."""
     g = fx.Graph()
     x, s0, s1, a, b = (g.placeholder(n) for n in ("x", "s0", "s1", "a", "b"))
     ag0 = g.call_function(AG, (s0, 2, "0"))
@@ -390,11 +392,13 @@ def test_coalesced_collectives_and_waits_on_no_launch_are_opaque_and_the_rest_is
     h = g.call_function(aten.mm.default, (x, g.call_function(aten.view.default, (g.call_function(WAIT, (ag0,)), [4, 4]))))
     coalesced = g.call_function(c10d.all_gather_into_tensor_coalesced.default, ([a, b], 2, "0"))
     parts = [g.call_function(operator.getitem, (coalesced, i)) for i in range(2)]
-    waits = [g.call_function(WAIT, (p,)) for p in parts]
+    waits = [g.call_function(WAIT, (p,)) for p in parts[:1]] + [g.call_function(WAIT, (parts[1],)) for _ in range(2)]
     rs = g.call_function(c10d.reduce_scatter_tensor_coalesced.default, ([a, b], "sum", 2, "0"))
-    rs_waits = [g.call_function(WAIT, (g.call_function(operator.getitem, (rs, i)),)) for i in range(2)]
+    rs_waits = [g.call_function(WAIT, (g.call_function(operator.getitem, (rs, 0)),))]  # result 1 never waited
     ar = g.call_function(c10d.all_reduce_coalesced.default, ([a, b], "sum", "0"))
-    ar_waits = [g.call_function(WAIT, (g.call_function(operator.getitem, (ar, i)),)) for i in range(2)]
+    ar_parts = [g.call_function(operator.getitem, (ar, i)) for i in range(2)]
+    ar_waits = [g.call_function(WAIT, (p,)) for p in ar_parts]
+    ar_waits.append(g.call_function(aten.neg.default, (ar_parts[1],)))  # a result read before its wait
     lone = g.call_function(WAIT, (x,))  # a wait on no launch
     h = g.call_function(aten.mm.default, (h, h))
     h = g.call_function(aten.mm.default, (h, h))
@@ -407,8 +411,8 @@ def test_coalesced_collectives_and_waits_on_no_launch_are_opaque_and_the_rest_is
     p = lower(gm)
     verify(p)
     opaque = [n.name for n in gm.graph.nodes if isinstance(p.op(n.name), Opaque)]
-    assert set(opaque) == {coalesced.name, rs.name, ar.name, lone.name, *(w.name for w in waits + rs_waits + ar_waits)}
-    assert sum("coalesced collective" in n for n in p.notes) == 3
+    assert set(opaque) == {coalesced.name, rs.name, ar.name, lone.name, *(w.name for w in waits + rs_waits + ar_waits[:2])}
+    assert sum("coalesced collective whose results are not each waited once" in n for n in p.notes) == 3
     for pipeline in (REFERENCE_PIPELINE, DEFAULT_PIPELINE):
         done = fxsched.schedule(gm, pipeline)
         verify(done.program)
