@@ -165,7 +165,7 @@ def _bucketed_worker(rank, world_size, layers, reorder):
     gm = traced.gm
     before = [n.name for n in gm.graph.nodes]
     plain = run_step(traced, model, inputs)
-    step_before = simulate(lower(gm), model_costs).step_ms
+    before_sim = simulate(lower(gm), model_costs)
     ours = fxsched_pass("default", names=param_names(traced))
     traced.gm = ours(gm, traced.example_inputs)
     after = [n.name for n in traced.gm.graph.nodes]
@@ -182,8 +182,18 @@ def _bucketed_worker(rank, world_size, layers, reorder):
             "reduce_scatters": sum("reduce_scatter_tensor" in str(n.target) for n in gm.graph.nodes),
             "moved": run["moved"], "param_fqns": [name for name, _ in model.named_parameters()],
             "overlapped": run["report"]["passes"].get("overlap-reduce-scatter", {}).get("overlapped", 0),
-            "step_before": step_before, "step_after": simulate(program, model_costs).step_ms,
+            **_compared(before_sim, simulate(program, model_costs), buckets),
             "params": sum(1 for _ in model.parameters())}
+
+
+def _compared(before, after, buckets) -> dict:
+    """Simulated step, exposed communication and peak, before and after fxsched; and the buckets
+    whose gather is more exposed after than before (fxsched must not undo torchtitan's prefetch)."""
+    exposed = lambda sim, name: sim.exposed_by_collective.get(name, 0.0)  # noqa: E731
+    return {"step_before": before.step_ms, "step_after": after.step_ms,
+            "exposed_before": before.exposed_ms, "exposed_after": after.exposed_ms,
+            "peak_before": before.peak_bytes, "peak_after": after.peak_bytes,
+            "more_exposed": [op.name for op in buckets if exposed(after, op.name) > exposed(before, op.name) + 1e-9]}
 
 
 @needs_torchtitan
@@ -192,8 +202,10 @@ def _bucketed_worker(rank, world_size, layers, reorder):
 def test_llama3_bucketed_by_torchtitan_then_scheduled_is_bitwise_equal_on_two_ranks(reorder):
     """torchtitan's joint bucketing pass (`all_gather_into_tensor_out` into a `_pre_bucket_all_gather`
     buffer, copy-outs by clone; packed reduce-scatters) and then fxsched's default pipeline: every
-    bucket recognised with its members and copy-outs, the order changed, the simulated step no
-    worse, the step bitwise equal. With torchtitan's own reordering left out (its buckets where its
+    bucket recognised with its members and copy-outs, the order changed, the simulated step and
+    its exposed communication no worse (after torchtitan's whole pass: its peak memory and each
+    bucket's exposed time no worse either, so fxsched undoes none of its prefetching), the step
+    bitwise equal. With torchtitan's own reordering left out (its buckets where its
     bucketer put them), fxsched launches buckets earlier itself."""
     results = run_ranks(_bucketed_worker, 2, args=(2, reorder), timeout=600)
     for rank, r in enumerate(results):
@@ -207,6 +219,85 @@ def test_llama3_bucketed_by_torchtitan_then_scheduled_is_bitwise_equal_on_two_ra
         assert {p for _, params, _ in r["buckets"] for p in params} == set(r["param_fqns"])
         assert r["copy_outs"] > 0 and r["reductions"] == r["reduce_scatters"] == 4 and r["overlapped"] == 4
         assert r["step_after"] <= r["step_before"] + 1e-9
+        assert r["exposed_after"] <= r["exposed_before"] + 1e-9
+        if reorder:  # on torchtitan's own schedule: at no more memory, and no bucket exposed longer
+            assert r["peak_after"] <= r["peak_before"]
+            assert r["more_exposed"] == []
         if not reorder:  # torchtitan did not prefetch: fxsched launches buckets early and the step gets shorter
             assert r["moved"] > 0 and r["step_after"] < r["step_before"]
     assert results[0]["plain"][0].item() != 0.0
+
+
+# --------------------------------------------------------------------------- Inductor's buckets, then fxsched
+
+
+def _inductor_bucketed_worker(rank, world_size, layers):
+    from torch._inductor.fx_passes.overlap_scheduling import schedule_overlap_bucketing
+    from torch.distributed.device_mesh import init_device_mesh
+    from titan import build_llama3, rematerialise, run_step, trace_step
+
+    from fxsched.cost import Roofline, hardware, op_costs, simulate
+    from fxsched.ir import CopyOut, Launch, Opaque, verify
+    from fxsched.lowering import lower
+
+    from peers import INDUCTOR_OPTIONS, setup_inductor
+
+    torch.set_num_threads(1)
+    model_costs = Roofline(hardware("h100"))
+    setup_inductor(model_costs.hw.hbm_gbps, model_costs.hw.tflops("f32"))  # the gloo group is the one it reads
+    mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("fsdp",))
+    model, inputs = build_llama3(mesh, layers=layers)
+    traced = rematerialise(trace_step(model, inputs))
+    costs = op_costs(lower(traced.gm), model_costs)
+    # Inductor's overlap scheduler with its FSDP pre-bucketing (its default), on this rank's graph:
+    # its gather bucket's pack bakes in the rank it runs on
+    traced.gm = schedule_overlap_bucketing(traced.gm, custom_runtime_estimation=lambda n, size: costs.get(n.name, 0.001),
+                                           max_in_flight_gb=1.0, **INDUCTOR_OPTIONS)
+    traced.gm.recompile()
+    before = [n.name for n in traced.gm.graph.nodes]
+    plain = run_step(traced, model, inputs)
+    step_before = simulate(lower(traced.gm), model_costs).step_ms
+    ours = fxsched_pass("default", names=param_names_of(traced))
+    traced.gm = ours(traced.gm, traced.example_inputs)
+    scheduled = run_step(traced, model, inputs)
+    program = lower(traced.gm)
+    verify(program)
+    (run,) = ours.runs
+    launches = [op for op in program.ops() if isinstance(op, Launch)]
+    return {"plain": plain, "scheduled": scheduled, "params": sum(1 for _ in model.parameters()),
+            "reordered": before != [n.name for n in traced.gm.graph.nodes],
+            "gathers": sum("all_gather_into_tensor" in str(n.target) for n in traced.gm.graph.nodes),
+            "reduce_scatters": sum("reduce_scatter_tensor" in str(n.target) for n in traced.gm.graph.nodes),
+            "buckets": [(op.role and op.role.value, len(op.params), op.bucket is not None) for op in launches],
+            "copy_outs": sum(isinstance(op, CopyOut) for op in program.ops()),
+            "opaque": sum(isinstance(op, Opaque) for op in program.ops()),
+            "skipped": run["structural"]["skipped"],
+            "step_before": step_before, "step_after": simulate(program, model_costs).step_ms}
+
+
+def param_names_of(traced):
+    from fxsched.integrations.torchtitan import param_names
+
+    return param_names(traced)
+
+
+@needs_torchtitan
+@pytest.mark.multirank
+def test_llama3_bucketed_by_inductor_then_scheduled_is_bitwise_equal_on_two_ranks():
+    """Inductor's `schedule_overlap_bucketing` with FSDP pre-bucketing on graph_trainer's joint graph
+    (the `inductor-bucketing` peer of bench_clients.py): its one gather bucket (every gather and
+    re-gather: `all_gather_into_tensor_out` into a `copy_(narrow(empty), cat)` pack, clones out) and
+    its packed reduce-scatters recognised, fxsched's default scheduled on them, no slower, bitwise
+    equal on 2 gloo ranks."""
+    results = run_ranks(_inductor_bucketed_worker, 2, args=(2,), timeout=600)
+    for rank, r in enumerate(results):
+        assert len(r["plain"]) == len(r["scheduled"]) == 1 + r["params"]
+        for a, b in zip(r["plain"], r["scheduled"], strict=True):
+            assert a.dtype == b.dtype and torch.equal(a, b), f"rank {rank}: the scheduled step differs"
+        assert r["reordered"] and r["skipped"] == [] and r["opaque"] == 0
+        gathers = [b for b in r["buckets"] if b[0] in ("fsdp_all_gather", "fsdp_all_gather_backward")]
+        reductions = [b for b in r["buckets"] if b[0] == "fsdp_reduce_scatter"]
+        assert len(gathers) == r["gathers"] and all(bucket for _, _, bucket in gathers)
+        assert sum(n for _, n, _ in gathers) == r["copy_outs"] >= 30  # every gather and re-gather is a member
+        assert len(reductions) == r["reduce_scatters"] > 0 and len(gathers) + len(reductions) == len(r["buckets"])
+        assert r["step_after"] <= r["step_before"] + 1e-9
