@@ -223,10 +223,11 @@ def alloc_bytes(op) -> int:
     return max(size or 0, 0)
 
 
-def memory_profile(program: Program) -> MemoryProfile:
-    """The memory half of `simulate`, O(N + edges): live bytes after each op of the schedule."""
+def memory_profile(program: Program, order: list[str] | None = None) -> MemoryProfile:
+    """The memory half of `simulate`, O(N + edges): live bytes after each op of the schedule
+    (or of `order`, a permutation of it)."""
     with gc_paused():
-        order = program.schedule.names()
+        order = program.schedule.names() if order is None else order
         nodes = program.graph.nodes
         return _memory(order, {n: nodes[n]["op"] for n in order})
 

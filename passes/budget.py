@@ -102,7 +102,8 @@ class Budget(ModulePass):
         limit = int(self.max_in_flight_gb * 2**30)
         stats = {"admitted": 0, OVER_BUDGET: 0, UNKNOWN_SIZE: 0, NO_EARLIER_SLOT: 0, "budget_bytes": limit}
         flight = _InFlight(program, analysis, limit)
-        room = headroom(ctx, program)  # the joint peak-memory cap, when one is in force
+        order = program.schedule.copy()  # planned on, not kept: prefetch makes the moves
+        room = headroom(ctx, program, order)  # the joint peak-memory cap, when one is in force
         if room is not None:
             stats[OVER_PEAK_CAP] = 0
         for g in analysis.gathers:  # gathers moved by an earlier run stay in flight
@@ -121,7 +122,7 @@ class Budget(ModulePass):
             return reason
 
         changed = False
-        for g, _, reason in plan(program, analysis, program.schedule.copy(), admit):
+        for g, _, reason in plan(program, analysis, order, admit):
             stats["admitted" if reason is None else reason] += 1
             if reason is not None:
                 program.replace(attrs.evolve(program.op(g.launch), hold=reason))

@@ -12,9 +12,11 @@ CLI's `--max-peak-gb` / `--max-peak-increase-gb` put it first in the pipeline.
 - **incrementally**, for passes that move ops: `headroom(ctx, program)` is the live-bytes curve
   of the order the pass started from in a max segment tree; `earlier(nodes, target)` (a launch
   chain moving up: its results are live from the target on) and `later(node, target)` (an op
-  moving down: what it reads stays live until there) check a move in O(log N) and count it
-  when taken. Both over-estimate (a moved op's old allocation stays counted), so what fits
-  here fits in simulation.
+  moving down: its result is live later, and what it is the last to read stays live until
+  there) check a move in O(log N) and count it when taken. The counts never under-estimate
+  (a read moved earlier still counts its storage as released where it was), so what fits here
+  fits in simulation; a move that does not fit the counts is checked again against the exact
+  curve of the order as it is then (a refresh: O(N), a few per pass).
 - **exactly**, for rewrites: `over_cap(ctx, trial)` simulates a rewritten copy's memory.
 
 A move or rewrite that would go over the cap is held, with the hold reason `over peak cap`
@@ -33,7 +35,7 @@ import attrs
 
 from ..cost.model import STATIC
 from ..cost.simulate import MemoryProfile, memory_profile
-from ..ir import Program, View, Wait
+from ..ir import Program, Schedule, View, Wait
 from ..ir.holds import OVER_PEAK_CAP  # noqa: F401  (passes import the reason from here too)
 from .base import Analysis, ModulePass, PassContext, PassResult, check_budget, option, register_pass
 from .maxtree import MaxTree
@@ -137,28 +139,42 @@ def check_peak(ctx: PassContext, program: Program) -> str | None:
     return None
 
 
-def headroom(ctx: PassContext, program: Program) -> Headroom | None:
-    """The incremental check over `program`'s schedule as it is now (None: no cap in force)."""
+def headroom(ctx: PassContext, program: Program, schedule: Schedule | None = None) -> Headroom | None:
+    """The incremental check over the order the pass moves ops on: `schedule` (the program's
+    own, unless the pass plans on a fresh copy of it), as it is now (None: no cap in force)."""
     limit = cap_bytes(ctx)
     if limit is None:
         return None
-    return Headroom(program, ctx.get(MemoryAnalysis, program).profile, limit)
+    return Headroom(program, ctx.get(MemoryAnalysis, program).profile, limit, schedule)
 
 
 class Headroom:
-    """Live bytes over the slots of the order a pass started from, checked and raised per move.
+    """Live bytes over the slots of an order, checked and raised per move.
 
-    Slot i is the i-th op of that order; an op a move placed just before `target` sits in
-    target's slot from then on. Every move the pass makes must go through `earlier`, `later`
-    or `moved`, so that slots stay where the ops are.
+    Slot i is the i-th op of the order the curve was read off; an op a move placed just before
+    `target` sits in target's slot from then on (between the slot before and target's: what is
+    live there is bounded by the slot before's count plus the move's own). Every move the pass
+    makes must go through `earlier`, `later` or `moved`, and be made in the schedule before the
+    next check: a move that does not fit the counted curve is checked once more against the
+    exact curve of the order as it is then (its counts over-estimate, e.g. a read moved earlier
+    releases its storage earlier), at most once per few moves taken, so the work stays
+    O(N) per refresh and a few refreshes per pass.
     """
 
-    def __init__(self, program: Program, profile: MemoryProfile, limit: float):
-        self.program, self.profile, self.limit = program, profile, limit
+    def __init__(self, program: Program, profile: MemoryProfile, limit: float, schedule: Schedule | None = None):
+        self.program, self.limit, self.schedule = program, limit, schedule or program.schedule
+        self.refused = 0  # moves that did not fit
+        self.taken = 0    # moves counted since the curve was read
+        self.refreshes = 0
+        self._read(profile)
+
+    def _read(self, profile: MemoryProfile) -> None:
+        self.profile = profile
         self.tree = MaxTree.of(list(profile.live))
         self._pos = {n: i for i, n in enumerate(profile.order)}
         self.at: dict[str, int] = {}
-        self.refused = 0  # moves that did not fit
+        # the slot after which each storage is released (what its last reader or its free set)
+        self.release = {root: i for i, roots in profile.releases.items() for root in roots}
 
     def slot(self, name: str) -> int:
         at = self.at.get(name)
@@ -168,31 +184,63 @@ class Headroom:
         return nbytes <= 0 or lo >= hi or self.tree.max(lo, hi) + nbytes <= self.limit
 
     def earlier(self, names, target: str) -> Move | None:
-        """`names` (a launch chain) moving up to just before `target`: their results are live
-        from target's slot through their old ones. The move if it fits, else None."""
+        """`names` (a launch chain) moving up to just before `target`: each one's result is live
+        from target's slot on instead of from its own. The move if it fits, else None."""
+        return self._checked(lambda: self._earlier(names, target))
+
+    def _earlier(self, names, target: str) -> Move:
         lo = self.slot(target)
-        hi = max(map(self.slot, names)) + 1
         alloc = self.profile.alloc
-        move = Move(self, tuple(names), lo, hi, sum(alloc.get(n, 0) for n in names), lo)
-        return self._checked(move)
+        ranges = [(lo, self.slot(n), alloc[n]) for n in names if alloc.get(n, 0) > 0]
+        return Move(self, tuple(names), ranges, lo)
 
     def later(self, name: str, target: str) -> Move | None:
-        """`name` moving down to just before `target`: the storage it reads (a view or wait
-        reads nothing, as in the simulator) stays live from its slot to target's."""
+        """`name` moving down to just before `target`: its result is live from there on, and a
+        storage it is the last to read stays live until there (a view or wait reads nothing, as
+        in the simulator). The move if it fits, else None."""
+        return self._checked(lambda: self._later(name, target))
+
+    def _later(self, name: str, target: str) -> Move:
         lo, hi = self.slot(name), self.slot(target)
         op = self.program.op(name)
-        nbytes = 0
+        ranges, released = [], {}
+        own = self.profile.alloc.get(name, 0)
+        if own and lo < hi - 1:
+            ranges.append((lo, hi - 1, -own))
         if not isinstance(op, (View, Wait)):
             root, alloc = self.profile.root, self.profile.alloc
-            roots = {root.get(o, o) for o in op.operands}
-            nbytes = sum(alloc.get(r, 0) for r in roots if not isinstance(self.program.op(r), STATIC))
-        return self._checked(Move(self, (name,), lo, hi, nbytes, hi))
+            for r in {root.get(o, o) for o in op.operands}:
+                at = self.release.get(r)   # None: never released (a static, a returned result)
+                if at is not None and at + 1 < hi and alloc.get(r, 0) > 0:
+                    ranges.append((at + 1, hi, alloc[r]))
+                    released[r] = hi - 1
+        return Move(self, (name,), ranges, hi, released)
 
-    def _checked(self, move: Move) -> Move | None:
-        if self.fits(move.lo, move.hi, move.nbytes):
+    def _checked(self, make) -> Move | None:
+        move = make()
+        if self._fits(move.ranges):
             return move
+        if self.taken and self.refreshes < 4 + self.taken // 8:
+            # the counts over-estimate: read the exact curve of the order as it is now
+            self.refreshes += 1
+            self._read(memory_profile(self.program, self.schedule.names()))
+            self.taken = 0
+            move = make()
+            if self._fits(move.ranges):
+                return move
         self.refused += 1
         return None
+
+    def _fits(self, ranges) -> bool:
+        """Whether the curve plus every range's bytes stays within the cap (ranges may overlap)."""
+        if not ranges:
+            return True
+        cuts = sorted({c for lo, hi, _ in ranges for c in (lo, hi)})
+        for a, b in zip(cuts, cuts[1:]):
+            extra = sum(d for lo, hi, d in ranges if lo <= a and b <= hi)
+            if extra > 0 and self.tree.max(a, b) + extra > self.limit:
+                return False
+        return True
 
     def moved(self, names, target: str) -> None:
         """Record a move that adds nothing live (a wait)."""
@@ -203,32 +251,40 @@ class Headroom:
 
 @attrs.define
 class Move:
-    """A checked move: `take()` counts its bytes over [lo, hi) and puts its ops in `to`."""
+    """A checked move: `take()` counts its bytes over its ranges and puts its ops in slot `to`."""
 
     room: Headroom
     names: tuple[str, ...]
-    lo: int
-    hi: int
-    nbytes: int
+    ranges: list[tuple[int, int, int]]   # (lo, hi, bytes added over [lo, hi))
     to: int
-    _old: dict[str, int | None] | None = None
+    released: dict[str, int] = attrs.Factory(dict)   # storage -> its new release slot
+    _old: dict | None = None
 
     def take(self) -> None:
-        if self.nbytes > 0 and self.lo < self.hi:
-            self.room.tree.add(self.lo, self.hi, self.nbytes)
-        self._old = {n: self.room.at.get(n) for n in self.names}
+        room = self.room
+        for lo, hi, nbytes in self.ranges:
+            if lo < hi:
+                room.tree.add(lo, hi, nbytes)
+        self._old = ({n: room.at.get(n) for n in self.names}, {r: room.release.get(r) for r in self.released})
         for n in self.names:
-            self.room.at[n] = self.to
+            room.at[n] = self.to
+        room.release.update(self.released)
+        room.taken += 1
 
     def undo(self) -> None:
-        """Take it back (after `take`)."""
-        if self.nbytes > 0 and self.lo < self.hi:
-            self.room.tree.add(self.lo, self.hi, -self.nbytes)
-        for n, at in (self._old or {}).items():
-            if at is None:
-                self.room.at.pop(n, None)
+        """Take it back (after `take`, before any other check)."""
+        room = self.room
+        for lo, hi, nbytes in self.ranges:
+            if lo < hi:
+                room.tree.add(lo, hi, -nbytes)
+        at, release = self._old or ({}, {})
+        for n, slot in at.items():
+            if slot is None:
+                room.at.pop(n, None)
             else:
-                self.room.at[n] = at
+                room.at[n] = slot
+        room.release.update(release)
+        room.taken -= 1
 
 
 def with_cap(pipeline: str, max_peak_gb: float | None = None, max_peak_increase_gb: float | None = None) -> str:

@@ -21,7 +21,7 @@ from ..ir import Program
 from .base import ModulePass, PassContext, PassResult, check_budget, option, register_pass
 from .budget import MaxTree
 from .gathers import Gather, GatherAnalysis, held_by_lowering
-from .memory_cap import OVER_PEAK_CAP, Headroom, headroom
+from .memory_cap import OVER_PEAK_CAP, headroom
 
 
 @register_pass
@@ -61,15 +61,18 @@ class OrderGathers(ModulePass):
             if urgent == run or _linked(program, run, owner):
                 continue
             ahead = _moved_ahead(run, urgent)
-            taken = _fit_cap(room, ahead, run[0].chain[0]) if room is not None else []
-            if taken is None:  # a gather moved ahead launches earlier: its bytes live from the run's start
+            # a gather moved ahead launches earlier: its bytes live from the run's start
+            move = room.earlier([n for g in ahead for n in g.chain], run[0].chain[0]) if room is not None else None
+            if room is not None and move is None:
                 stats[OVER_PEAK_CAP] += 1
                 continue
+            if move is not None:
+                move.take()
             newly = [(start[g.launch], pos(g.first_consumer), program.op(g.launch).nbytes)
                      for g in ahead if not program.op(g.launch).prefetched]
             if newly and (limit == 0 or not _admit(tree, newly, limit)):  # 0: no early launch at all, as in budget
                 stats["over budget"] += 1
-                for move in reversed(taken):
+                if move is not None:
                     move.undo()
                 continue
             after = schedule[pos(run[-1].chain[-1]) + 1]
@@ -79,21 +82,6 @@ class OrderGathers(ModulePass):
             for g in ahead:
                 program.replace(attrs.evolve(program.op(g.launch), prefetched=True))
         return PassResult(stats["reordered"] > 0, stats)
-
-
-def _fit_cap(room: Headroom, ahead: list[Gather], start: str) -> list | None:
-    """Count each gather moved ahead as live from the run's start; None (and nothing counted)
-    if they do not all fit under the cap."""
-    taken = []
-    for g in ahead:
-        move = room.earlier(g.chain, start)
-        if move is None:
-            for done in reversed(taken):
-                done.undo()
-            return None
-        move.take()
-        taken.append(move)
-    return taken
 
 
 def _moved_ahead(run: list[Gather], urgent: list[Gather]) -> list[Gather]:
