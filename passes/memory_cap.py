@@ -165,6 +165,7 @@ class Headroom:
         self.program, self.limit, self.schedule = program, limit, schedule or program.schedule
         self.refused = 0  # moves that did not fit
         self.taken = 0    # moves counted since the curve was read
+        self.taken_in_all = 0
         self.refreshes = 0
         self._read(profile)
 
@@ -220,7 +221,7 @@ class Headroom:
         move = make()
         if self._fits(move.ranges):
             return move
-        if self.taken and self.refreshes < 4 + self.taken // 8:
+        if self.taken and self.refreshes < 4 + self.taken_in_all // 8:
             # the counts over-estimate: read the exact curve of the order as it is now
             self.refreshes += 1
             self._read(memory_profile(self.program, self.schedule.names()))
@@ -270,6 +271,7 @@ class Move:
             room.at[n] = self.to
         room.release.update(self.released)
         room.taken += 1
+        room.taken_in_all += 1
 
     def undo(self) -> None:
         """Take it back (after `take`, before any other check)."""
@@ -284,7 +286,8 @@ class Move:
             else:
                 room.at[n] = slot
         room.release.update(release)
-        room.taken -= 1
+        room.taken = max(room.taken - 1, 0)   # a refresh in between already dropped it
+        room.taken_in_all -= 1
 
 
 def with_cap(pipeline: str, max_peak_gb: float | None = None, max_peak_increase_gb: float | None = None) -> str:
