@@ -27,8 +27,9 @@ launch, a wait per result).
 A gradient reduction is a functional `reduce_scatter_tensor` (FSDP) or `all_reduce` (DDP, and
 HSDP's replicate step) whose only user is its `wait_tensor` and whose waited result reaches
 nothing but the graph output: through single-input casts, views, layout copies and scalar
-arithmetic (a bf16 gradient cast to fp32, divided by the world size), or through another
-gradient reduction (HSDP's reduce-scatter then all-reduce); their `_coalesced` forms
+arithmetic (a bf16 gradient cast to fp32, divided by the world size), through another
+gradient reduction (HSDP's reduce-scatter then all-reduce), or through the sum of reduced
+gradients (a tied parameter's, reduced once per use); their `_coalesced` forms
 (Inductor's `bucket_mode="coalesced"`) when every result, waited through its getitem, does so.
 Nodes past the first one marked `autograd_backward` are backward, as lowering reads them (a
 bucketing pass may not have marked what it added). It is tagged
@@ -447,6 +448,29 @@ def _single_wait(node: fx.Node) -> fx.Node | None:
     return users[0] if len(users) == 1 and _is_collective(users[0], "wait_tensor") else None
 
 
+_ADDS = {"aten::add"}  # aten.add.Tensor: a tied parameter's gradients, reduced one by one, summed
+
+
+def _accumulates_gradients(node: fx.Node) -> bool:
+    """A sum of reduced gradients (a tied parameter, e.g. llama3 1B's embedding and output, is
+    gathered for each use, so its gradient comes back as one reduction per use and an add): a
+    functional add whose every input is, through casts and views, a reduction's wait."""
+    if node.op != "call_function" or _schema_name(node) not in _ADDS or node.target._schema.is_mutable:
+        return False
+    inputs = node.all_input_nodes
+    if len(inputs) < 2 or any(not isinstance(a, fx.Node) for a in node.args[:2]):
+        return False
+    for value in inputs:
+        while _passes_gradient_through(value) and not _is_collective(value, "wait_tensor"):
+            value = value.all_input_nodes[0]
+        source = value.all_input_nodes[0] if _is_collective(value, "wait_tensor") and value.all_input_nodes else None
+        if source is not None and source.target is operator.getitem:  # a coalesced reduction's result
+            source = source.args[0]
+        if source is None or _reduction_kind(source) is None:
+            return False
+    return True
+
+
 def _tail_to_output(wait: fx.Node) -> tuple[list[fx.Node], fx.Node | None]:
     """The nodes from `wait` to the graph output (passing a gradient through, or reducing it
     further), and None; or what was found so far and the first user that is neither."""
@@ -455,7 +479,7 @@ def _tail_to_output(wait: fx.Node) -> tuple[list[fx.Node], fx.Node | None]:
         for user in stack.pop().users:
             if user.op == "output" or user in seen:
                 continue
-            if _passes_gradient_through(user):
+            if _passes_gradient_through(user) or _accumulates_gradients(user):
                 found = [user]
             elif _reduction_kind(user) is not None and (then := _single_wait(user)) is not None:
                 found = [user, then]

@@ -245,6 +245,28 @@ def test_hsdp_reduce_scatter_then_all_reduce_and_ddp_all_reduce():
         "reduce_scatter_tensor", "all_reduce_1"]
 
 
+def test_a_tied_parameters_gradients_summed_after_their_reductions():
+    """llama3 1B ties its embedding and output weights: gathered for each use, the parameter's
+    gradient comes back as one reduce-scatter per use, summed for the output. Both are gradient
+    reductions; a reduction added to anything else (an activation) is not."""
+    def tied(x, w):
+        g1 = torch.tanh(x @ w)
+        g2 = torch.tanh(g1 @ w)
+        return (_reduce(g1.flatten()) + _reduce(g2.flatten()).float(),)
+
+    gm = _backward_gm(tied, torch.randn(4, 4), torch.randn(4, 4))
+    result = tag_fsdp_collectives(gm)
+    assert result.skipped == [] and len(result.reductions) == 2
+    assert all("add" in r.tail for r in result.reductions)
+
+    def mixed(x, w):
+        return (_reduce((x @ w).flatten()) + x.flatten()[:8],)
+
+    gm = _backward_gm(mixed, torch.randn(4, 4), torch.randn(4, 4))
+    result = tag_fsdp_collectives(gm)
+    assert result.reductions == [] and "reaches %add" in result.skipped[0][1]
+
+
 def test_activation_collectives_are_not_fsdp():
     """Tensor parallelism: collectives on activations feed compute, or gather a computed value,
     or gather token ids; in the forward an all-reduce to the output (a loss) is not a gradient's."""
