@@ -14,6 +14,10 @@ Writes bench/out/clients.{md,json}. Workloads:
   layers) and of its 1B shape cut to 2 layers, under
   SimpleFSDP (bf16 parameters, fp32 reduction, world size 2, batch 2, seq 2048), traced by its
   make_fx tracer on a fake process group and rematerialised by its default passes (`bench/titan.py`).
+- **torchtitan under torch.compile** (`titan-compile ...`): the same llama3 (debug model, 2 and 4
+  layers) compiled by torch.compile: the forward and backward graphs AOTAutograd's partitioner gives
+  Inductor's post-grad pass (`bench/titan.py` `compile_step`; graph_trainer's "jit" mode), each
+  scheduled on its own, the step their sum; every peer, the bucketing ones included, runs on them.
 - **Llama-3-8B shapes** (`llama3-8B ...`, with `--llama3-8b`): dim 4096, FFN 14336, 32 heads, 8 KV
   heads, vocab 128256, batch 1, world size 8 (`bench/llama3_8b.py`), traced with fake tensors
   through fxsched's front (a meta-device module: no parameter or activation memory): 4 and 32
@@ -27,7 +31,8 @@ bench_schedules.py); on the torchtitan graphs `torchtitan` (graph_trainer's own 
 scheduling pass, `joint_transformer_block_bucketing_reordering_pass`, which buckets: its graph is
 lowered and scored on its own, the node set changed), `torchtitan+fxsched` (that pass, then
 fxsched's default on its buckets) and `torchtitan-buckets+fxsched` (only its bucketing step, fxsched
-orders the buckets); on joint graphs (torchtitan's, the Llama-3-8B ones) also `inductor-bucketing`
+orders the buckets); on joint graphs (torchtitan's, the Llama-3-8B ones) and on torchtitan's
+partitioned ones (`titan-compile`) also `inductor-bucketing`
 (Inductor's scheduler with its FSDP pre-bucketing, its default) and `torchtitan-autobucketing`
 (torchtitan's `autobucketing_reordering_pass`: `schedule_overlap_bucketing(gm, collective_bucketing=True)`),
 both with our costs. Every order is checked against the
@@ -182,6 +187,11 @@ def _sum(parts: list[dict[str, dict[str, Any]]]) -> dict[str, dict[str, Any]]:
                        "bound_ms": sum(e["bound_ms"] for e in entries),
                        "peak_bytes": max(e["peak_bytes"] for e in entries),
                        "legal": all(e["legal"] for e in entries), "problems": dict(problems)}
+        if any(e.get("node_set") for e in entries):  # a bucketing peer changed some graph's node set
+            collectives: collections.Counter = collections.Counter()
+            for e in entries:
+                collectives.update(e.get("collectives") or {})
+            total[name].update(node_set="changed (bucketing)", collectives=dict(collectives))
     return total
 
 
@@ -246,6 +256,39 @@ def titan_workloads(args, model) -> list[dict[str, Any]]:
             except Exception as exc:  # noqa: BLE001 — recorded, the rest of the row stands
                 scheds[name] = {"skipped": f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"}
         rows.append({"workload": label, "build_s": build, "graphs": {"joint": info}, "schedules": scheds})
+        _print(rows[-1])
+    return rows
+
+
+def titan_compile_workloads(args, model) -> list[dict[str, Any]]:
+    """torchtitan's llama3 (graph_trainer's SimpleFSDP, as titan_workloads builds it) under
+    torch.compile: the forward and backward graphs AOTAutograd's partitioner gives Inductor's
+    post-grad pass (bench/titan.py `compile_step`), each scheduled on its own, the step their sum.
+    Every peer runs on them, the bucketing ones too: graph_trainer's "jit" mode runs its
+    `auto_bucketing` pass (our `torchtitan-autobucketing`) on exactly these graphs."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from titan import build_llama3, compile_step
+
+    mesh = init_device_mesh("cpu", (WORLD,), mesh_dim_names=("fsdp",))
+    rows = []
+    shapes = [("debugmodel", layers) for layers in args.titan_compile_layers]
+    shapes += [("1B", layers) for layers in args.titan_compile_1b_layers]
+    for flavor, layers in shapes:
+        label = f"titan-compile llama3-{'debug' if flavor == 'debugmodel' else flavor} L{layers}"
+        print(label, "...", flush=True)
+        t = time.perf_counter()
+        module, inputs = build_llama3(mesh, flavor=flavor, layers=layers, batch=args.titan_batch, seq=args.titan_seq)
+        graphs = compile_step(module, inputs)
+        build = time.perf_counter() - t
+        # joint=True: the joint-graph peers (Inductor's pre-bucketing, torchtitan's autobucketing) run here too
+        parts = {phase: schedule_graph(gm, phase, model, args, joint=True) for phase, gm in graphs.items()}
+        infos = {p: v.pop("_info") for p, v in parts.items()}
+        for phase, part in parts.items():  # a peer that left a graph's node set: its collectives are the graph's
+            for entry in part.values():
+                if "node_set" not in entry and "skipped" not in entry:
+                    entry.setdefault("collectives", infos[phase]["collectives"])
+        rows.append({"workload": label, "build_s": build, "graphs": infos, "per_graph": parts,
+                     "schedules": _sum(list(parts.values()))})
         _print(rows[-1])
     return rows
 
@@ -357,6 +400,12 @@ def main() -> None:
     parser.add_argument("--titan-1b-layers", type=int, nargs="*", default=[2],
                         help="llama3 1B's shape (dim 2048, vocab 128256) cut to these many layers")
     parser.add_argument("--titan-seq", type=int, default=2048)
+    parser.add_argument("--no-titan-compile", action="store_true",
+                        help="skip torchtitan's llama3 under torch.compile (AOT-partitioned forward and backward graphs)")
+    parser.add_argument("--titan-compile-layers", type=int, nargs="*", default=[2, 4])
+    parser.add_argument("--titan-compile-1b-layers", type=int, nargs="*", default=[],
+                        help="llama3 1B's shape under torch.compile (the step runs for real on the CPU: "
+                             "memory and minutes grow with its vocabulary)")
     parser.add_argument("--titan-batch", type=int, default=2)
     parser.add_argument("--llama3-8b", action="store_true",
                         help="add Llama-3-8B layer shapes traced with fake tensors through fxsched's front (world size 8)")
@@ -380,6 +429,8 @@ def main() -> None:
         rows += compile_workloads(args, model)
     if not args.no_titan:
         rows += titan_workloads(args, model)
+    if not args.no_titan_compile:
+        rows += titan_compile_workloads(args, model)
     if args.llama3_8b:
         rows += llama3_8b_workloads(args, model)
     result = {"machine": f"{platform.machine()}, {os.cpu_count()} cpus, python {platform.python_version()}, "

@@ -11,6 +11,14 @@ CPU SDPA for recompute and rematerialisation then refuses it).
     traced = trace_step(model, step_inputs)        # graph_trainer's TracedResult
     rematerialise(traced)                          # its cleanup, memory policy and remat passes
     outputs = run_step(traced, model, step_inputs) # [loss, grad of each parameter shard]
+    graphs = compile_step(model, step_inputs)      # what Inductor's post-grad pass sees under torch.compile
+
+`compile_step` compiles the same step with torch.compile instead (Inductor in fallback mode, no
+C++): AOTAutograd partitions it and Inductor's post-grad pass gets a forward and a backward graph,
+as graph_trainer's "jit" mode does (its `auto_bucketing` pass runs Inductor's
+`schedule_overlap_bucketing` on exactly these). There are no backward re-gathers there: graph_trainer's
+SimpleFSDP leaves resharding to its joint-graph passes, so the partitioner saves each gathered
+parameter for the backward.
 """
 
 from __future__ import annotations
@@ -130,3 +138,27 @@ def run_step(traced, model, step_inputs) -> list[torch.Tensor]:
 
     outputs = run_traced(traced, module=model)(*step_inputs)
     return [o.to_local().detach().clone() if isinstance(o, DTensor) else o.detach().clone() for o in outputs]
+
+
+def compile_step(model, step_inputs) -> dict:
+    """{"forward": GraphModule, "backward": GraphModule}: the graphs Inductor's post-grad custom pass
+    gets when torch.compile compiles `model`'s forward and the loss's backward (one step runs, on
+    whatever process group is initialised; the fake one is enough)."""
+    from simple_fsdp import post_grad_graphs
+
+    tokens, labels, valid, extra = step_inputs
+    loss_fn = _loss()
+
+    class Step(torch.nn.Module):  # the model's forward with its keyword inputs bound
+        def __init__(self, inner):
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, x):
+            return self.inner(x, **extra)
+
+    def loss(pred, _tokens):  # as graph_trainer's step computes it (a loss, or (loss, extras))
+        out = loss_fn(pred, labels, global_valid_tokens=valid)
+        return out[0] if isinstance(out, tuple) else out
+
+    return post_grad_graphs(Step(model), (tokens,), loss)
