@@ -22,6 +22,8 @@ them is O(N + uses).
 
 from __future__ import annotations
 
+from operator import itemgetter
+
 from .errors import InputError
 from .ops import Barrier, Compute, Free, Input, Launch, Marker, Op, Opaque, Output, Phase, View
 from .program import DATA, Program
@@ -113,28 +115,35 @@ def place_markers(program: Program) -> None:
     _place_markers(program)
 
 
-def _place_markers(program: Program) -> dict[str, Op]:
-    """`place_markers`, returning the op of every name in the new schedule (derive_effects
-    reads them all, and looking each up in the graph again cost as much as a rule)."""
+def _place_markers(program: Program) -> tuple[list[str], list[Op]]:
+    """`place_markers`, returning the new schedule's names and their ops, position by position:
+    the rules below walk the two lists side by side (a lookup per name in the graph's dicts cost
+    as much as a rule at 100k nodes)."""
     order = program.schedule.names()
     node = program.graph._node
-    ops = {n: node[n]["op"] for n in order}
-    if ENTRY not in program.graph:
-        inputs = [n for n in order if isinstance(ops[n], Input)]
-        if order[: len(inputs)] == inputs:  # as lowering leaves them: the rest is what follows
-            rest = order[len(inputs):]
-        else:
+    ops = list(map(itemgetter("op"), map(node.__getitem__, order)))
+    if ENTRY not in node:
+        kinds = list(map(type, ops))
+        is_input = {k: issubclass(k, Input) for k in set(kinds)}
+        flags = list(map(is_input.__getitem__, kinds))
+        count = flags.count(True)
+        if False in flags[:count]:  # an input after a non-input
             program.notes.append("inputs were not all first: moved them to the top")
-            rest = [n for n in order if not isinstance(ops[n], Input)]
-        ops[ENTRY] = program.add(Marker(name=ENTRY))
-        order = inputs + [ENTRY] + rest
-    if BACKWARD not in program.graph:
-        first = next((i for i, n in enumerate(order) if _phased(ops[n]) and ops[n].phase is Phase.BACKWARD), None)
+            first = [at for at, flag in enumerate(flags) if flag]
+            rest = [at for at, flag in enumerate(flags) if not flag]
+            order, ops = [order[at] for at in first + rest], [ops[at] for at in first + rest]
+        marker = program.add(Marker(name=ENTRY))
+        order.insert(count, ENTRY)
+        ops.insert(count, marker)
+    if BACKWARD not in node:
+        backward = Phase.BACKWARD
+        first = next((at for at, op in enumerate(ops) if op.phase is backward and _phased(op)), None)
         if first is not None:
-            ops[BACKWARD] = program.add(Marker(name=BACKWARD, phase=Phase.BACKWARD))
+            marker = program.add(Marker(name=BACKWARD, phase=Phase.BACKWARD))
             order.insert(first, BACKWARD)
+            ops.insert(first, marker)
     program.schedule = type(program.schedule)(order)
-    return ops
+    return order, ops
 
 
 _UNPHASED = (Input, Marker, Output)
@@ -146,18 +155,17 @@ def _phased(op: Op) -> bool:
 
 def derive_effects(program: Program) -> None:
     """Add the effect edges of every rule, reading the current schedule as the original order."""
-    ops = _place_markers(program)
-    order = program.schedule.names()
+    order, ops = _place_markers(program)
     _storage_edges(program, order, ops)
 
     last_free: dict[str, str] = {}
     previous_random = None
-    for name in order:
-        op = ops[name]
-        if isinstance(op, Compute) and op.random:
-            if previous_random is not None:
-                program.add_effect(previous_random, name, "rng-order")
-            previous_random = name
+    for name, op in zip(order, ops):
+        if isinstance(op, Compute):
+            if op.random:
+                if previous_random is not None:
+                    program.add_effect(previous_random, name, "rng-order")
+                previous_random = name
         elif isinstance(op, Free):
             for param in op.params:
                 last_free[param] = name
@@ -167,29 +175,52 @@ def derive_effects(program: Program) -> None:
                     program.add_effect(last_free[param], name, "regather")
 
     _collective_edges(program, order, ops)
-    _barrier_edges(program, order, ops)
-    _phase_edges(program, order, ops)
+    _barrier_and_phase_edges(program, order, ops)
     _boundary_edges(program, order, ops)
 
 
-def _storage_edges(program: Program, order: list[str], ops: dict[str, Op]) -> None:
+def _roots_in_order(program: Program, order: list[str], ops: list[Op]) -> dict[str, tuple[str, str | None]]:
+    """`storage_roots`, in one walk down the order when every view's (and alias's) source comes
+    before it, as in a lowered graph; otherwise (hand-written text may refer forward)
+    `storage_roots` itself."""
+    roots: dict[str, tuple[str, str | None]] = {}
+    node = program.graph._node
+    for name, op in zip(order, ops):
+        if isinstance(op, View):
+            source = op.operands[0] if op.operands else None
+        else:
+            source = op.alias
+        if source is None or source not in node:
+            roots[name] = (name, None)
+            continue
+        found = roots.get(source)
+        if found is None:  # a source later in the order, or a cycle
+            return storage_roots(program)
+        root, via = found
+        roots[name] = (root, via) if via is not None or not (isinstance(op, View) and op.maybe) else (root, name)
+    return roots
+
+
+def _storage_edges(program: Program, order: list[str], ops: list[Op]) -> None:
     """`storage` and `free` edges: per storage, the last writer (or free) and the readers since;
     a reader follows the last writer, a writer follows the readers since (or, with none, the
     last writer). Each access costs O(1)."""
-    roots = storage_roots(program)
+    roots = _roots_in_order(program, order, ops)
     add_effect = program.add_effect
     last_write: dict[str, str] = {}
     readers: dict[str, list[str]] = {}
     freed: dict[str, str] = {}
-    for name in order:
-        op = ops[name]
+    for name, op in zip(order, ops):
         operands = op.operands
         if not operands:
             continue
         is_free = isinstance(op, Free)
-        written = [roots[w][0] for w in op.writes]
-        if is_free:
-            written.append(roots[operands[0]][0])
+        if op.writes or is_free:
+            written = [roots[w][0] for w in op.writes]
+            if is_free:
+                written.append(roots[operands[0]][0])
+        else:
+            written = ()
         for operand in operands:
             root, via = roots[operand]
             if root in written or (is_free and root in freed):  # a write covers its read; freeing twice reads nothing
@@ -209,6 +240,8 @@ def _storage_edges(program: Program, order: list[str], ops: dict[str, Op]) -> No
                 readers[root] = [name]
             elif since[-1] != name:
                 since.append(name)
+        if not written:
+            continue
         why = "free" if is_free else "storage"
         for root in dict.fromkeys(written):
             if root in freed:
@@ -228,14 +261,13 @@ def _storage_edges(program: Program, order: list[str], ops: dict[str, Op]) -> No
                 freed[root] = name
 
 
-def _collective_edges(program: Program, order: list[str], ops: dict[str, Op]) -> None:
+def _collective_edges(program: Program, order: list[str], ops: list[Op]) -> None:
     """`collective-order`: per process group, non-gather launches and opaque collectives keep
     their order; one with no known group follows the latest of every group, and they follow it."""
     add_effect = program.add_effect
     latest: dict[str, str] = {}  # per group, since the last op of unknown group
     unknown = None  # the last op of unknown group
-    for name in order:
-        op = ops[name]
+    for name, op in zip(order, ops):
         if isinstance(op, Launch):
             if op.is_gather:
                 continue
@@ -257,71 +289,105 @@ def _collective_edges(program: Program, order: list[str], ops: dict[str, Op]) ->
 # derive_effects: they read networkx's adjacency dicts directly and use for/else rather
 # than any(generator).
 
-def _barrier_edges(program: Program, order: list[str], ops: dict[str, Op]) -> None:
-    graph = program.graph
+def _barrier_and_phase_edges(program: Program, order: list[str], ops: list[Op]) -> None:
+    """`barrier`: a segment's last nodes (no successor in it) precede the barrier ending it, its
+    first nodes (no predecessor in it) follow the barrier starting it; barriers keep their order.
+    `phase`: a forward op no forward op follows precedes `^backward`, a backward op no backward
+    op precedes follows it.
+
+    One walk for both rules: each phased op gets a code, 2 * segment + (1 if backward); a
+    neighbour with the op's own code (in its segment and its phase: nearly always the first
+    one looked at) answers both rules' question on that side at once, and only an op without
+    one pays for the two tests. Barriers' codes are negative (-2 * (k + 1) + backward), so no
+    segment test counts them and the phase bit still reads. The edges are those the two rules
+    add one after the other: a plain op's barrier edges are its own, added before its phase
+    test reads its neighbours (as when the barrier rule ran first); a barrier's neighbours are
+    complete only once the walk is done, so barriers take their phase test after it.
+    """
     add_effect = program.add_effect
-    segment: dict[str, int] = {}
     barriers: list[str] = []
-    for name in order:
-        op = ops[name]
-        if isinstance(op, Barrier):
+    code: dict[str, int] = {}  # every phased op (barriers too), in schedule order
+    backward, phases = Phase.BACKWARD, False
+    for name, op in zip(order, ops):
+        if isinstance(op, _UNPHASED):
+            phases = phases or name == BACKWARD
+        elif isinstance(op, Barrier):
             if barriers:
                 add_effect(barriers[-1], name, "barrier")
             barriers.append(name)
-        elif not isinstance(op, _UNPHASED):
-            segment[name] = len(barriers)
-    if not barriers:
-        return
-    succ, pred, get = graph._succ, graph._pred, segment.get
-    last = len(barriers)
-    for name, seg in segment.items():
-        if seg < last:  # the segment's last node(s): before the barrier that ends it
-            for s in succ[name]:
-                if get(s) == seg:
-                    break
-            else:
-                add_effect(name, barriers[seg], "barrier")
-        if seg > 0:  # its first node(s): after the barrier that starts it
-            for p in pred[name]:
-                if get(p) == seg:
-                    break
-            else:
-                add_effect(barriers[seg - 1], name, "barrier")
-
-
-def _phase_edges(program: Program, order: list[str], ops: dict[str, Op]) -> None:
-    if BACKWARD not in ops:
+            code[name] = -2 * len(barriers) + (op.phase is backward)
+        else:
+            code[name] = 2 * len(barriers) + (op.phase is backward)
+    if not barriers and not phases:
         return
     graph = program.graph
-    add_effect = program.add_effect
-    phase = {}  # of every phased op (barriers too), in schedule order
-    for name in order:
-        op = ops[name]
-        if not isinstance(op, _UNPHASED):
-            phase[name] = op.phase
-    succ, pred, get = graph._succ, graph._pred, phase.get
-    forward, backward = Phase.FORWARD, Phase.BACKWARD
-    for name, ph in phase.items():
-        if ph is forward:
-            for s in succ[name]:
-                if get(s) is forward:
-                    break
-            else:
-                add_effect(name, BACKWARD, "phase")
+    succ, pred, get = graph._succ, graph._pred, code.get
+    last = len(barriers)
+    for name, c in code.items():
+        if c < 0:  # a barrier: its phase test after the walk
+            continue
+        seg = c >> 1
+        nbrs = succ[name]
+        for s in nbrs:
+            if get(s) == c:
+                break
         else:
-            for p in pred[name]:
-                if get(p) is backward:
-                    break
+            if seg < last:  # the segment's last node(s): before the barrier that ends it
+                for s in nbrs:
+                    x = get(s)
+                    if x is not None and x >> 1 == seg:
+                        break
+                else:
+                    add_effect(name, barriers[seg], "barrier")
+            if phases and not c & 1:  # forward, and no forward op after it (barrier edge included)
+                for s in nbrs:
+                    x = get(s)
+                    if x is not None and not x & 1:
+                        break
+                else:
+                    add_effect(name, BACKWARD, "phase")
+        nbrs = pred[name]
+        for p in nbrs:
+            if get(p) == c:
+                break
+        else:
+            if seg > 0:  # the segment's first node(s): after the barrier that starts it
+                for p in nbrs:
+                    x = get(p)
+                    if x is not None and x >> 1 == seg:
+                        break
+                else:
+                    add_effect(barriers[seg - 1], name, "barrier")
+            if phases and c & 1:  # backward, and no backward op before it
+                for p in nbrs:
+                    x = get(p)
+                    if x is not None and x & 1:
+                        break
+                else:
+                    add_effect(BACKWARD, name, "phase")
+    if phases:
+        for name in barriers:
+            if code[name] & 1:
+                for p in pred[name]:
+                    x = get(p)
+                    if x is not None and x & 1:
+                        break
+                else:
+                    add_effect(BACKWARD, name, "phase")
             else:
-                add_effect(BACKWARD, name, "phase")
+                for s in succ[name]:
+                    x = get(s)
+                    if x is not None and not x & 1:
+                        break
+                else:
+                    add_effect(name, BACKWARD, "phase")
 
 
-def _boundary_edges(program: Program, order: list[str], ops: dict[str, Op]) -> None:
+def _boundary_edges(program: Program, order: list[str], ops: list[Op]) -> None:
     graph = program.graph
     add_effect = program.add_effect
     outputs, inputs = [], []
-    for name in order:
-        op = ops[name]
+    for name, op in zip(order, ops):
         if isinstance(op, Output):
             outputs.append(name)
         elif isinstance(op, Input):
@@ -332,8 +398,7 @@ def _boundary_edges(program: Program, order: list[str], ops: dict[str, Op]) -> N
         add_effect(inputs[-1], ENTRY, "entry")
     input_names = set(inputs)
     succ, pred = graph._succ, graph._pred
-    for name in order:
-        op = ops[name]
+    for name, op in zip(order, ops):
         if isinstance(op, Input) or name == ENTRY:
             continue
         for p in pred[name]:  # nothing but inputs before it: after ^entry
