@@ -269,6 +269,7 @@ class _Lowering:
         # hashable; the graph keeps every target alive), and (dtype, shape) -> TensorType
         self.targets: dict[tuple[str, int], _Target] = {}
         self.types: dict = {}
+        self.impurity: dict[tuple[str, int], bool] = {}  # (node.op, id(target)) -> node.is_impure
         self.storages: dict[fx.Node, int | None] = {}  # storage identity of meta["val"]
         self.launches: set[str] = set()  # names lowered as a Launch (what a Wait may wait on)
         self.coalesced: set[str] = set()  # those of them that are coalesced (waited through getitems)
@@ -281,6 +282,19 @@ class _Lowering:
             return self.targets[key]
         except KeyError:
             found = self.targets[key] = _classify(node.op, node.target)
+            return found
+
+    def impure(self, node: fx.Node) -> bool:
+        """`node.is_impure(impure_random=False)`, once per target: it reads the target (a
+        schema, torch's side-effect registries, a module's flag), and the arguments only of a
+        higher-order op (asked per node); per node it was a tenth of lowering."""
+        if isinstance(node.target, torch._ops.HigherOrderOperator):
+            return node.is_impure(impure_random=False)
+        key = (node.op, id(node.target))
+        try:
+            return self.impurity[key]
+        except KeyError:
+            found = self.impurity[key] = node.is_impure(impure_random=False)
             return found
 
     def opaque(self, node: fx.Node) -> bool:
@@ -450,7 +464,7 @@ class _Lowering:
         # a random call touches the RNG state only: ordered with the other random ops, no barrier
         # (torch calls Python's torch.rand* impure whatever impure_random says)
         random = info.random or (kind == "call_module" and _random_module(self.gm.get_submodule(node.target)))
-        if (unknown or not writes) and not random and node.is_impure(impure_random=False):
+        if (unknown or not writes) and not random and self.impure(node):
             return Barrier(target=target, reason="side effect", heavy=info.heavy, attention=info.attention, **base)
         if unknown and writes:
             self.notes.append(f"%{node.name}: {target} is a call fxsched cannot see into: taken to write "
