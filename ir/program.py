@@ -187,6 +187,9 @@ class Schedule:
         if target in moving:
             raise ValueError(f"cannot move %{target} before itself")
         block_of, off = self._block, self._off
+        if len(names) == 1 and block_of[names[0]] is block_of[target]:
+            self._move_within(names[0], target, block_of[target])
+            return
         sources: dict[_Block, int] = {}  # block -> lowest offset a name leaves it from
         for name in names:
             block, at = block_of[name], off[name]
@@ -217,6 +220,21 @@ class Schedule:
             self._split(into)
         if any(not b.names for b in sources):
             self._drop_empty()
+
+    def _move_within(self, name: str, target: str, block: _Block) -> None:
+        """`move_before([name], target)` where both are in `block`: only the names between the
+        two places shift, and no other block changes (sink's moves are mostly such short ones)."""
+        self._moved.add(name)
+        self._flat = None
+        names, off = block.names, self._off
+        lo, at = off[name], off[target]
+        del names[lo]
+        if lo < at:  # later: the target moved up one
+            names.insert(at - 1, name)
+            off.update(zip(names[lo:at], range(lo, at)))
+        else:
+            names.insert(at, name)
+            off.update(zip(names[at:lo + 1], range(at, lo + 1)))
 
     def _split(self, block: _Block) -> None:
         half = len(block.names) // 2
