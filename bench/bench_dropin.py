@@ -3,9 +3,9 @@
     .venv/bin/python bench/bench_dropin.py [--sizes 18000 100000] [--repeat 3]
 
 The drop-in schedules a module in place: lint, lower, the reference pipeline (verified after
-each pass), relink the module's own nodes, lint, tag, and generate the code once. Generating
-the code is what any change to a module's graph costs, so the drop-in is measured in units of
-one `recompile()`. Each case runs on its own copy of the generated graph (made untimed), CPU
+each pass), relink the module's own nodes (checking each follows its inputs), tag, and generate
+the code once. Generating the code is what any change to a module's graph costs, so the drop-in
+is measured in units of one `recompile()`. Each case runs on its own copy of the generated graph (made untimed), CPU
 seconds (`time.process_time`) after a full collection, best of `--repeat` (one fewer at 100k
 nodes), the cases interleaved: the machine may be shared.
 

@@ -49,6 +49,10 @@ def raise_in_place(program: Program, *, lint: bool = True) -> fx.GraphModule:
     Only the order changes: node objects, names, args and meta stay as they were. The module's
     code is NOT regenerated here: call `recompile()` once the caller is done with the graph
     (the drop-in tags meta first, and one code generation is most of what it costs).
+    `lint`: check what relinking can break, that every node comes after its inputs (a
+    RaisingError names the first that does not). The rest of `graph.lint()` (ownership, names,
+    the lookup table, targets) reads what relinking leaves as it was: lint the graph before
+    lowering it, as `fxsched.schedule` and the drop-in do.
     """
     source = _origin(program)
     graph = source.graph
@@ -62,8 +66,19 @@ def raise_in_place(program: Program, *, lint: bool = True) -> fx.GraphModule:
     for node in order:
         root.prepend(node)
     if lint:
-        graph.lint()
+        _check_inputs_first(order)
     return source
+
+
+def _check_inputs_first(order: list[fx.Node]) -> None:
+    """Raise RaisingError at the first node scheduled before one of its inputs."""
+    seen: set[fx.Node] = set()
+    for node in order:
+        if not seen.issuperset(node._input_nodes):
+            late = next(n for n in node._input_nodes if n not in seen)
+            raise RaisingError(f"%{node.name} would run before its input %{late.name}: the schedule is "
+                               "not a topological order of the graph (was it verified?)")
+        seen.add(node)
 
 
 def _origin(program: Program) -> fx.GraphModule:

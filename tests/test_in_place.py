@@ -1,5 +1,6 @@
 """The drop-in schedules the caller's module in place: it relinks the module's own nodes into
-the new order (nothing copied, meta and names kept), lints, and generates the code once."""
+the new order (nothing copied, meta and names kept), checks that each node follows its inputs,
+and generates the code once."""
 
 from __future__ import annotations
 
@@ -63,3 +64,12 @@ def test_in_place_raising_refuses_a_graph_changed_after_lowering():
     with pytest.raises(RaisingError, match="not those of its module's graph"):
         raise_in_place(program)
     assert [n for n in gm.graph.nodes if n is not extra] == order  # nothing was relinked
+
+
+def test_in_place_raising_refuses_an_order_that_runs_a_node_before_its_input():
+    gm = _graph()
+    program = lower(gm)
+    user = next(n for n in gm.graph.nodes if n.op == "call_function" and n.all_input_nodes)
+    program.schedule.move_before([user.name], user.all_input_nodes[0].name)  # unverified: breaks a data edge
+    with pytest.raises(RaisingError, match=f"%{user.name} would run before its input %{user.all_input_nodes[0].name}"):
+        raise_in_place(program)
