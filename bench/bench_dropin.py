@@ -9,6 +9,7 @@ is measured in units of one `recompile()`. Each case runs on its own copy of the
 seconds (`time.process_time`) after a full collection, best of `--repeat` (one fewer at 100k
 nodes), the cases interleaved: the machine may be shared.
 
+Each row records a hash of the scheduled module's code (the schedule, byte for byte).
 Writes bench/out/dropin.{json,md}. Goal (issue 15): drop-in <= 2x one recompile at 18k and
 100k nodes.
 """
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import hashlib
 import json
 import os
 import platform
@@ -64,9 +66,11 @@ def main() -> None:
             copy = clone(gm)
             drop_in = min(drop_in, cpu(lambda: fxsched.overlap_param_gather(copy, CONFIG)))
             counts = copy.meta["fsdp_prefetch"]
+            code = hashlib.sha256(copy.code.encode()).hexdigest()[:16]  # the scheduled module's code
             del copy
         rows.append({"nodes": len(gm.graph.nodes), "recompile_s": round(recompile, 3), "drop_in_s": round(drop_in, 3),
-                     "ratio": round(drop_in / recompile, 2), "moved": counts})
+                     "ratio": round(drop_in / recompile, 2), "moved": counts,
+                     "code_sha256": code})
         print(json.dumps(rows[-1]), flush=True)
         del gm
     result = {"machine": f"{platform.machine()}, {os.cpu_count()} cpus", "python": platform.python_version(),
@@ -74,12 +78,12 @@ def main() -> None:
     os.makedirs(OUT, exist_ok=True)
     with open(os.path.join(OUT, "dropin.json"), "w") as f:
         json.dump(result, f, indent=1)
-    lines = [f"| nodes | one recompile() (s) | drop-in (s) | ratio (goal <= {GOAL}) | moved fwd/bwd, sunk |",
-             "|---:|---:|---:|---:|---:|"]
+    lines = [f"| nodes | one recompile() (s) | drop-in (s) | ratio (goal <= {GOAL}) | moved fwd/bwd, sunk | code sha256 |",
+             "|---:|---:|---:|---:|---:|---|"]
     for r in rows:
         m = r["moved"]
         lines.append(f"| {r['nodes']} | {r['recompile_s']} | {r['drop_in_s']} | {r['ratio']} | "
-                     f"{m['forward']}/{m['backward']}, {m['sunk']} |")
+                     f"{m['forward']}/{m['backward']}, {m['sunk']} | {r['code_sha256']} |")
     table = "\n".join(lines) + "\n"
     with open(os.path.join(OUT, "dropin.md"), "w") as f:
         f.write(f"`overlap_param_gather` against one `GraphModule.recompile()` of the same graph, CPU seconds, "

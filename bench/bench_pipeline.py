@@ -11,6 +11,9 @@ pipeline builds the largest graph, then runs it under tracemalloc; `peak` is the
 memory the run held above what was allocated before it (the graph), `retained` what its
 result keeps.
 
+Each row records a hash of the two raised schedules (the order of node names), so that a
+change made for speed can be checked to leave every schedule byte-identical.
+
 Writes bench/out/pipeline.{json,md}. Goals (issue 15), measured in the same run:
 reference and default pipelines at 100k nodes <= 0.75x FX's copy + lint + recompile, and
 time(100k) / time(10k) <= 12 for both.
@@ -20,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import hashlib
 import json
 import os
 import platform
@@ -54,6 +58,11 @@ def fx_copy(gm: fx.GraphModule) -> None:
     graph.graph_copy(gm.graph, {})
     graph.lint()
     fx.GraphModule(gm, graph)  # recompiles
+
+
+def schedule_hash(gm: fx.GraphModule) -> str:
+    """The raised schedule, as the order of its node names (a speed change must not change it)."""
+    return hashlib.sha256("\n".join(n.name for n in gm.graph.nodes).encode()).hexdigest()[:16]
 
 
 def stages(gm: fx.GraphModule) -> dict[str, float]:
@@ -118,7 +127,9 @@ def main() -> None:
                 best[name] = min(best[name], cpu(fn))
         done = fxsched.schedule(gm, REFERENCE_PIPELINE)
         stats = done.result.stats()
+        hashes = {"reference": schedule_hash(done.graph_module)}
         del done
+        hashes["default"] = schedule_hash(fxsched.schedule(gm, DEFAULT_PIPELINE).graph_module)
         rows.append({
             "nodes": len(gm.graph.nodes), "fx_copy_lint_recompile_s": round(best["fx"], 3),
             "pipeline_s": round(best["reference"], 3), "ratio_to_fx": round(best["reference"] / best["fx"], 2),
@@ -126,7 +137,7 @@ def main() -> None:
             "default_ratio_to_fx": round(best["default"] / best["fx"], 2),
             "stages_s": {k: round(v, 3) for k, v in stages(gm).items()},
             "moved_forward": stats["prefetch"]["forward"], "moved_backward": stats["prefetch"]["backward"],
-            "sunk": stats["sink"]["sunk"],
+            "sunk": stats["sink"]["sunk"], "schedule_sha256": hashes,
         })
         print(json.dumps(rows[-1]), flush=True)
         del gm
@@ -155,6 +166,9 @@ def main() -> None:
                      f"{r['default_pipeline_s']} | {r['default_ratio_to_fx']} | "
                      f"{s['lower']} | {s['verify (one)']} | {s['passes']} | {s['raise']} | "
                      f"{r['moved_forward']}/{r['moved_backward']} | {r['sunk']} |")
+    lines.append("\nschedules (sha256 of the raised node order, first 16 hex digits): " + "; ".join(
+        f"{r['nodes']}: reference {r['schedule_sha256']['reference']}, default {r['schedule_sha256']['default']}"
+        for r in rows))
     if "growth" in result:
         g = result["growth"]
         lines.append(f"\ntime({g['sizes'][1]}) / time({g['sizes'][0]}): reference {g['reference']}, "
