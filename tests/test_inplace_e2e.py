@@ -23,24 +23,14 @@ from fxsched.models import llama as llama_module
 from fxsched.passes import DEFAULT_PIPELINE, REFERENCE_PIPELINE
 from fxsched.runtime import run_ranks
 
-pytestmark = pytest.mark.multirank
+from ranks import WORLD, run_all
 
-WORLD = 2
+pytestmark = pytest.mark.multirank
 PIPELINES = {"reference": REFERENCE_PIPELINE, "default": DEFAULT_PIPELINE}
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
 AG = c10d.all_gather_into_tensor.default
 WAIT = c10d.wait_tensor.default
-
-
-def _run_all(rank, world_size, jobs):
-    torch.manual_seed(0)
-    out = []
-    for gm, feeds in jobs:
-        with torch.no_grad():
-            result = gm(*[t.clone() for t in feeds[rank]])  # the graphs write their inputs
-        out.append([t.detach() for t in result])
-    return out
 
 
 def _tag(ag, param, nbytes=64):
@@ -180,7 +170,7 @@ def test_scheduled_inplace_graphs_are_bitwise_equal_on_two_ranks(cases):
     wrong.recompile()
     jobs.append((wrong, feeds))
     labels.append(("torch.relu_", "gather above the write"))
-    results = run_ranks(_run_all, WORLD, args=(jobs,), timeout=600)
+    results = run_ranks(run_all, WORLD, args=(jobs,), timeout=600)
     for rank in range(WORLD):
         expected = {}
         for (name, label), out in zip(labels, results[rank]):

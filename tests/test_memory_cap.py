@@ -32,9 +32,8 @@ from fxsched.passes.placement import plan
 from fxsched.passes.manager import PeakCapExceeded
 from fxsched.passes.memory_cap import MemoryCap, cap_bytes, over_cap, resolve_cap, with_cap
 
+from ranks import GIB
 from test_properties import _graph, examples, graph_options, ir_programs, pipelines
-
-GIB = 1 << 30
 
 
 def _front(name, buckets=None, layers=2):

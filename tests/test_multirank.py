@@ -21,8 +21,7 @@ from fxsched.passes import DEFAULT_PIPELINE, REFERENCE_PIPELINE
 from fxsched.runtime import run_ranks
 from fxsched.runtime.agreement import check_ranks_agree
 
-WORLD = 2
-GIB = 2**30
+from ranks import GIB, WORLD
 
 # every built-in model, each with one of the front's options
 MODEL_CASES = {"gpt": {"buckets": "per-module"}, "llama": {"mixed_precision": torch.bfloat16}, "encoder": {}}

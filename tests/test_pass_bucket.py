@@ -32,7 +32,7 @@ from fxsched.passes.bucket import Bucket
 from fxsched.raising import raise_program
 from fxsched.runtime import run_ranks
 
-GIB = 1 << 30
+from ranks import GIB, check_bitwise, rank_feeds, run_all
 # (model, mixed precision, FSDP buckets): bf16 gathers read a cast of each shard, hoisted with
 # it; per-module buckets are kept, and the single gathers around them may still be bucketed
 CASES = [(name, None, None) for name in sorted(MODELS)] + [("gpt", torch.bfloat16, None),
@@ -51,18 +51,13 @@ def _stats(done):
     return next(v for k, v in done.result.stats().items() if k.startswith("bucket"))
 
 
-def _feeds(front, module, inputs, world):
-    data = [tuple((x + r) % 97 if not x.is_floating_point() else x + r for x in inputs) for r in range(world)]
-    return [front.shard_inputs(module, r, data[r]) for r in range(world)]
-
-
 @pytest.fixture(scope="module")
 def scheduled():
     cases = {}
     for case in CASES:
         module, inputs, front = _front(*case, world=2)
         done = fxsched.schedule(front.gm, LOOSE)
-        cases[case] = (front, done, _feeds(front, module, inputs, 2))
+        cases[case] = (front, done, rank_feeds(front, module, inputs, 2))
     return cases
 
 
@@ -166,25 +161,6 @@ def _check_bucketing(program, pipeline: str, cap: float, size_mb: float) -> dict
     return stats
 
 
-def _run_all(rank, world_size, jobs):
-    torch.manual_seed(0)
-    out = []
-    for gm, feeds in jobs:
-        with torch.no_grad():
-            out.append([t.detach() for t in gm(*feeds[rank])])
-    return out
-
-
-def _check_bitwise(results, keys, what):
-    for rank, outputs in enumerate(results):
-        for i, key in enumerate(keys):
-            before, after = outputs[2 * i], outputs[2 * i + 1]
-            assert len(before) == len(after)
-            for a, b in zip(before, after):
-                assert torch.equal(a, b), f"{key} rank {rank}: {what} differs"
-    assert not torch.equal(results[0][0][0], results[1][0][0])  # the ranks saw different data
-
-
 @pytest.mark.multirank
 def test_bucketed_graphs_are_bitwise_equal_on_two_ranks(scheduled):
     jobs = []
@@ -192,7 +168,7 @@ def test_bucketed_graphs_are_bitwise_equal_on_two_ranks(scheduled):
         jobs += [(front.gm, feeds), (done.graph_module, feeds)]
     stats = _stats(scheduled[("gpt", None, None)][1])
     assert stats["gathers bucketed"] > 0 and stats["reduce-scatters bucketed"] > 0
-    _check_bitwise(run_ranks(_run_all, 2, args=(jobs,), timeout=600), list(scheduled), "bucketed graph")
+    check_bitwise(run_ranks(run_all, 2, args=(jobs,), timeout=600), list(scheduled), "bucketed graph")
 
 
 @pytest.mark.multirank
@@ -202,9 +178,9 @@ def test_reduce_scatter_buckets_are_bitwise_equal_on_four_ranks():
         module, inputs, front = _front(name, None, None, world=4)
         done = fxsched.schedule(front.gm, "default,bucket{max-peak-increase-gb=1.0,gathers=false}")
         assert _stats(done)["reduce-scatters bucketed"] > 0
-        jobs += [(front.gm, _feeds(front, module, inputs, 4)), (done.graph_module, _feeds(front, module, inputs, 4))]
+        jobs += [(front.gm, rank_feeds(front, module, inputs, 4)), (done.graph_module, rank_feeds(front, module, inputs, 4))]
         keys.append(name)
-    _check_bitwise(run_ranks(_run_all, 4, args=(jobs,), timeout=600), keys, "reduce-scatter bucketed graph")
+    check_bitwise(run_ranks(run_all, 4, args=(jobs,), timeout=600), keys, "reduce-scatter bucketed graph")
 
 
 def _titan_worker(rank, world_size, pipeline):

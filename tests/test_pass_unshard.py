@@ -21,8 +21,7 @@ from fxsched.models import MODELS, build_model
 from fxsched.passes import PassManager
 from fxsched.runtime import run_ranks
 
-WORLD = 2
-GIB = 1 << 30
+from ranks import GIB, WORLD, check_bitwise, rank_feeds, run_all
 # (model, mixed precision): bf16 gathers read a cast of the shard, which goes with the re-gather
 CASES = [(name, None) for name in sorted(MODELS)] + [("gpt", torch.bfloat16)]
 UNCAPPED = "default,unshard{max-peak-increase-gb=1.0}"   # 1 GiB over a peak of ~0.4 MB: every candidate fits
@@ -45,9 +44,7 @@ def scheduled():
     for name, mp in CASES:
         module, inputs, front = _front(name, mp)
         done = fxsched.schedule(front.gm, UNCAPPED)
-        data = [tuple((x + r) % 97 if not x.is_floating_point() else x + r for x in inputs) for r in range(WORLD)]
-        feeds = [front.shard_inputs(module, r, data[r]) for r in range(WORLD)]
-        cases[(name, mp)] = (front, done, feeds)
+        cases[(name, mp)] = (front, done, rank_feeds(front, module, inputs, WORLD))
     return cases
 
 
@@ -123,28 +120,12 @@ def test_unshard_under_a_tight_cap_takes_fewer_and_says_why(default_programs):
     assert len(held) == stats["over peak cap"] and all(op.hold == "over peak cap" for op in held)
 
 
-def _run_all(rank, world_size, jobs):
-    torch.manual_seed(0)
-    out = []
-    for gm, feeds in jobs:
-        with torch.no_grad():
-            out.append([t.detach() for t in gm(*feeds[rank])])
-    return out
-
-
 @pytest.mark.multirank
 def test_unsharded_graphs_are_bitwise_equal_on_two_ranks(scheduled):
     jobs = []
     for front, done, feeds in scheduled.values():
         jobs += [(front.gm, feeds), (done.graph_module, feeds)]
-    results = run_ranks(_run_all, WORLD, args=(jobs,), timeout=600)
-    for rank, outputs in enumerate(results):
-        for i, key in enumerate(scheduled):
-            before, after = outputs[2 * i], outputs[2 * i + 1]
-            assert len(before) == len(after)
-            for a, b in zip(before, after):
-                assert torch.equal(a, b), f"{key} rank {rank}: unsharded graph differs"
-    assert not torch.equal(results[0][0][0], results[1][0][0])  # the ranks saw different data
+    check_bitwise(run_ranks(run_all, WORLD, args=(jobs,), timeout=600), list(scheduled), "unsharded graph")
 
 
 def test_unshard_with_min_saved_ms_takes_only_what_shortens_the_step(default_programs):

@@ -44,6 +44,7 @@ from fxsched.lowering import lower
 from fxsched.passes import DEFAULT_PIPELINE, REFERENCE_PIPELINE, PassManager
 
 from irtest import STACK_AFTER_A_BARRIER
+from ranks import GIB
 from reproducers import reproducer_on_failure
 from test_reference_oracle import clone, oracle, outcome
 from test_reference_oracle import config as ref_config
@@ -61,7 +62,6 @@ def examples(ci: int, graphs: bool = False) -> settings:
                                            HealthCheck.filter_too_much])
 
 
-GIB = 2**30
 GATHER_TAGS = ("fsdp_all_gather", "fsdp_all_gather_backward")
 FREE_TAGS = ("fsdp_reshard_free", "fsdp_reshard_free_backward")
 COLLECTIVE_NAMESPACES = ("_c10d_functional", "c10d_functional")
