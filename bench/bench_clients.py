@@ -65,6 +65,7 @@ from fxsched.lowering.structural import tag_fsdp_collectives, untag_fsdp_gathers
 
 from bench_schedules import broken_rules, check_order, rules, run_peer_forked  # noqa: E402
 from peers import copy_module, setup_inductor  # noqa: E402
+import peer_cap  # noqa: E402
 
 OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "out")
 WORLD = 2
@@ -219,6 +220,7 @@ def compile_workloads(args, model) -> list[dict[str, Any]]:
                              "graphs": {p: v.pop("_info") for p, v in parts.items()},
                              "per_graph": parts, "schedules": _sum(list(parts.values()))})
                 _print(rows[-1])
+                cap_table(rows[-1], [(gm, phase) for phase, gm in graphs.items()], model, args)
     return rows
 
 
@@ -257,6 +259,7 @@ def titan_workloads(args, model) -> list[dict[str, Any]]:
                 scheds[name] = {"skipped": f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"}
         rows.append({"workload": label, "build_s": build, "graphs": {"joint": info}, "schedules": scheds})
         _print(rows[-1])
+        cap_table(rows[-1], [(gm, None)], model, args)
     return rows
 
 
@@ -328,7 +331,39 @@ def llama3_8b_workloads(args, model) -> list[dict[str, Any]]:
         rows.append({"workload": label, "build_s": build, "graphs": {"joint": info}, "schedules": scheds})
         print(f"  ({len(gm.graph.nodes)} nodes, traced in {build:.1f} s)", flush=True)
         _print(rows[-1])
+        cap_table(rows[-1], [(gm, None)], model, args)
     return rows
+
+
+# ---- the peer-cap table (issue 17): fxsched capped at each peer's peak (bench/peer_cap.py) ------
+
+def cap_table(row, graphs: list[tuple[fx.GraphModule, str | None]], model, args) -> None:
+    """row["capped"]: one row per peer that ran, with fxsched's best pipeline under a hard cap at
+    that peer's simulated peak; every graph of the workload scheduled as `schedule_graph` does."""
+    if args.no_cap_table:
+        return
+    caps = peer_cap.peer_caps(row["schedules"])
+    if not caps:
+        return
+
+    def prepared(gm, phase):
+        untag_fsdp_gathers(gm)
+        tag_fsdp_collectives(gm, phase=phase)
+
+    originals, runs = [], []
+    for gm, phase in graphs:
+        with uniform_phase(gm, phase):
+            prepared(gm, phase)
+            originals.append(lower(gm))
+
+        def run(pipeline, gb, gm=gm, phase=phase):
+            with uniform_phase(gm, phase):
+                prepared(gm, phase)
+                return peer_cap.timed(lambda: fxsched.schedule(gm, pipeline, cost_model=model, max_peak_gb=gb))
+        runs.append(run)
+    print(f"  capped at the peers' peaks ({', '.join(f'{p} {format_bytes(c)}' for p, c in caps.items())}):", flush=True)
+    capped = peer_cap.capped_runs(runs, originals, caps.values(), model, broken_rules, args.cap_pipelines)
+    row["capped"] = peer_cap.peer_rows(row["workload"], row["schedules"], capped, uncapped="fxsched")
 
 
 # ---- report ------------------------------------------------------------------------------------
@@ -419,6 +454,7 @@ def main() -> None:
     parser.add_argument("--peer-timeout", type=float, default=600.0)
     parser.add_argument("--hardware", default="h100")
     parser.add_argument("--out", default=OUT)
+    peer_cap.add_arguments(parser)
     args = parser.parse_args()
 
     torch.set_num_threads(1)
@@ -445,6 +481,7 @@ def main() -> None:
                 f"{result['machine']}.\n\n" + table + "\n" + "\n".join(result["goals"]) + "\n")
     print(table)
     print("\n".join(result["goals"]))
+    peer_cap.write(rows, args.out, "clients", result["machine"], model.hw.name)
 
 
 if __name__ == "__main__":

@@ -52,6 +52,7 @@ from fxsched.models import MODELS, build_model
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from peers import INDUCTOR_OPTIONS, inductor_signature, run_inductor, setup_inductor  # noqa: E402
+import peer_cap  # noqa: E402
 
 OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "out")
 WORLD = 2
@@ -355,7 +356,22 @@ def run_workload(label: str, make, args, model: Roofline) -> dict[str, Any]:
             entry.update(legal=not problems, problems=rules(program, result["names"], problems),
                          moved=gathers_moved(program, scheduled))
             record(peer, scheduled, entry)
+    cap_table(row, gm, program, model, args)
     return row
+
+
+def cap_table(row: dict[str, Any], gm: fx.GraphModule, program: Program, model: Roofline, args) -> None:
+    """row["capped"]: one row per Inductor peer that ran, with fxsched's best pipeline under a hard
+    cap at that peer's simulated peak (bench/peer_cap.py)."""
+    caps = peer_cap.peer_caps(row["schedules"])
+    if args.no_cap_table or not caps or row["nodes"] > args.cap_max_nodes:
+        return
+
+    def run(pipeline, gb):
+        return peer_cap.timed(lambda: fxsched.schedule(gm, pipeline, cost_model=model, max_peak_gb=gb))
+    print(f"  capped at the peers' peaks ({', '.join(f'{p} {_mem(c)}' for p, c in caps.items())}):", flush=True)
+    capped = peer_cap.capped_runs([run], [program], caps.values(), model, broken_rules, args.cap_pipelines)
+    row["capped"] = peer_cap.peer_rows(row["workload"], row["schedules"], capped, uncapped="fxsched-default")
 
 
 # ---- report --------------------------------------------------------------------------------
@@ -469,6 +485,8 @@ def main() -> None:
                         help="also time fxsched.schedule(..., verify_each=False) (verification between passes off)")
     parser.add_argument("--traces", action="store_true", help="write Chrome traces to bench/out/traces/")
     parser.add_argument("--out", default=OUT)
+    peer_cap.add_arguments(parser)
+    parser.add_argument("--cap-max-nodes", type=int, default=10**9, help="no peer-cap rows above this many nodes")
     args = parser.parse_args()
 
     model = Roofline(hardware(args.hardware))
@@ -516,6 +534,7 @@ def main() -> None:
                 "(ms; `fxsched.cost.limits`):\n\n" + causes_table(result))
     print(table)
     print("\n".join(result["goals"]))
+    peer_cap.write(rows, args.out, "schedules", result["machine"], model.hw.name)
 
 
 if __name__ == "__main__":
