@@ -38,6 +38,9 @@ partitioned ones (`titan-compile`) also `inductor-bucketing`
 both with our costs. Every order is checked against the
 original program's rules (ILLEGAL with the broken rules counted, as in bench_schedules.py).
 Costs: H100 roofline. Columns: step, exposed communication, step / lower bound, peak memory.
+
+Then the peer-cap table (`cap_table`, bench/peer_cap.py): fxsched under a hard cap at each peer's
+simulated peak, four pipelines, the best within it; bench/out/clients_cap.{md,json}.
 """
 
 from __future__ import annotations

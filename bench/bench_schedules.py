@@ -16,7 +16,8 @@ rule is still scored but marked ILLEGAL with the broken rules counted. A peer th
 node set (Inductor's FSDP pre-bucketing) is verified on its own lowering instead.
 
 Peers run in a forked child with a timeout (--peer-timeout); a peer that runs out of time or
-fails is recorded as "skipped (reason)".
+fails is recorded as "skipped (reason)". Then the peer-cap table (`cap_table`, bench/peer_cap.py):
+fxsched under a hard cap at each peer's simulated peak; bench/out/schedules_cap.{md,json}.
 """
 
 from __future__ import annotations
