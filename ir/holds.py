@@ -69,6 +69,13 @@ NOT_HIDDEN = register_hold("cannot be hidden", "even its earliest legal launch l
                                                "(the cost model says so)")
 
 # ---- the joint peak-memory cap (passes/memory_cap.py): any pass that raises memory ------
-OVER_PEAK_CAP = register_hold("over peak cap", "moving or rewriting it would raise the simulated peak memory over "
-                                               "the cap (memory-cap, --max-peak-gb / --max-peak-increase-gb, or "
-                                               "unshard's own max-peak-gb / max-peak-increase-gb)")
+OVER_PEAK_CAP = register_hold("over peak cap", "moving or rewriting it (bucketing it, keeping its replica unsharded) "
+                                               "would raise the simulated peak memory over the cap (memory-cap, "
+                                               "--max-peak-gb / --max-peak-increase-gb, or bucket's or unshard's own "
+                                               "max-peak-gb / max-peak-increase-gb)")
+
+# ---- the rewriting passes (bucket, unshard) ----------------------------------------------
+SAVES_TOO_LITTLE = register_hold("saves too little", "rewriting it (joining a bucket, or reading the forward "
+                                                     "replica instead of re-gathering it) would not shorten the "
+                                                     "simulated step enough: by more than bucket's min-saved-ms "
+                                                     "(so at all, when it is 0), by at least unshard's")

@@ -40,7 +40,7 @@ import attrs
 from ..cost.model import CostAnalysis
 from ..cost.simulate import Simulation, simulate
 from ..ir import DATA, Cast, Compute, CopyOut, Launch, Phase, Program, Role, TensorType, View, Wait, holds
-from ..ir.holds import register_hold
+from ..ir.holds import OVER_PEAK_CAP, SAVES_TOO_LITTLE, register_hold
 from ..ir.rewriter import Call, Operand, RewriteError, Rewriter
 from .base import ModulePass, PassContext, PassResult, check_budget, check_ms, option, register_pass
 from .memory_cap import GIB, cap_bytes, rewrite_cap, rewrite_stats
@@ -51,10 +51,6 @@ EFFECT_EDGE = register_hold("bucket effect edge", "bucket: joining the bucket be
                                                   "wait across an effect edge (a free, a barrier, the phase "
                                                   "boundary, or its input is not ready where the bucket launches)")
 OVER_SIZE = register_hold("over bucket size", "bucket: the bucket before it would grow past max-bucket-mb")
-OVER_CAP = register_hold("bucket over peak cap", "bucket: joining the bucket before it would raise the simulated "
-                                                 "peak memory over the cap (max-peak-gb, max-peak-increase-gb)")
-NO_GAIN = register_hold("bucket saves too little", "bucket: joining the bucket before it would not shorten the "
-                                                   "simulated step by more than min-saved-ms")
 NOT_PACKABLE = register_hold("not packable", "bucket: its shard and result are not flat tensors of known size "
                                              "(or not a functional all-gather / reduce-scatter with one wait)")
 
@@ -165,11 +161,11 @@ class Bucket(ModulePass):
     def refusal(self, sim: Simulation, without: Simulation, cap: float, inflight_cap: float) -> str | None:
         """Why a bucket simulated as `sim` is not taken over `without` (None: it is)."""
         if sim.peak_bytes > cap:
-            return OVER_CAP
+            return OVER_PEAK_CAP
         if sim.max_inflight_bytes > inflight_cap:
             return holds.OVER_BUDGET
         if not sim.step_ms < without.step_ms - self.min_saved_ms:
-            return NO_GAIN
+            return SAVES_TOO_LITTLE
         return None
 
 
@@ -253,7 +249,6 @@ def merge(program: Program, members: list[Member], kind: str, name: str) -> list
 
 
 def _merge_gathers(program: Program, rw: Rewriter, members: list[Member], name: str) -> list[str]:
-    pos = program.schedule.index
     first = program.op(members[0].launch)
     ranks, dtype, phase = first.group_size, first.types[0].dtype, first.phase
     total = sum(m.numel for m in members)
@@ -274,11 +269,8 @@ def _merge_gathers(program: Program, rw: Rewriter, members: list[Member], name: 
                        before=first.name, payload=Call(first.target, (Operand(0), ranks, first.group)))
     for m in members:
         rw.inherit(m.launch, launch.name, skip=skip)
-    # one wait where the first member was waited; the copy-outs of every member follow it
-    here = min((m.wait for m in members), key=pos)
-    wait_op = program.op(here)
-    wait = rw.create(Wait(name=f"{name}_wait", operands=(launch.name,), phase=wait_op.phase, target=wait_op.target,
-                          types=launch.types), before=here, payload=Call(wait_op.target, (Operand(0),)))
+    # the copy-outs of every member follow the bucket's one wait
+    here, wait_op, wait = _wait(program, rw, members, launch)
     grid = rw.create(View(name=f"{name}_grid", operands=(wait.name,), phase=wait_op.phase, target="aten.view.default",
                           types=(TensorType(dtype, (ranks, total)),)),
                      before=here, payload=Call("aten.view.default", (Operand(0), [ranks, total])))
@@ -334,10 +326,7 @@ def _merge_reduce_scatters(program: Program, rw: Rewriter, members: list[Member]
     created += [*rows, pack.name, flat.name, launch.name]
     for m in members:
         rw.inherit(m.launch, launch.name, skip=skip)
-    here = min((m.wait for m in members), key=pos)
-    wait_op = program.op(here)
-    wait = rw.create(Wait(name=f"{name}_wait", operands=(launch.name,), phase=wait_op.phase, target=wait_op.target,
-                          types=launch.types), before=here, payload=Call(wait_op.target, (Operand(0),)))
+    here, wait_op, wait = _wait(program, rw, members, launch)
     created.append(wait.name)
     offset = 0
     for i, m in enumerate(members):
@@ -354,6 +343,17 @@ def _merge_reduce_scatters(program: Program, rw: Rewriter, members: list[Member]
         rw.replace_uses(m.wait, out.name)
         offset += m.numel
     return created
+
+
+def _wait(program: Program, rw: Rewriter, members: list[Member], launch: Launch) -> tuple[str, Wait, Wait]:
+    """The bucket's one wait, created where its first member was waited: (that member's wait,
+    its op, the new wait). What the members' waits returned is rebuilt just after it."""
+    here = min((m.wait for m in members), key=program.schedule.index)
+    wait_op = program.op(here)
+    wait = rw.create(Wait(name=f"{launch.name}_wait", operands=(launch.name,), phase=wait_op.phase,
+                          target=wait_op.target, types=launch.types),
+                     before=here, payload=Call(wait_op.target, (Operand(0),)))
+    return here, wait_op, wait
 
 
 def _flat(program: Program, rw: Rewriter, source: str, name: str, phase: Phase, *, before: str) -> str:

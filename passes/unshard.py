@@ -32,17 +32,14 @@ import attrs
 from ..cost.model import CostAnalysis
 from ..cost.simulate import simulate
 from ..ir import DATA, Cast, Free, Launch, Program, Role, Wait, storage_root
-from ..ir.holds import OVER_PEAK_CAP, register_hold
+from ..ir.holds import OVER_PEAK_CAP, SAVES_TOO_LITTLE, register_hold
 from ..ir.rewriter import Rewriter
 from .base import ModulePass, PassContext, PassResult, check_budget, check_ms, option, register_pass
 from .memory_cap import cap_bytes, rewrite_cap, rewrite_stats
 
-OVER_CAP = OVER_PEAK_CAP  # keeping its forward replica for the backward would go over the cap
 NO_FORWARD_REPLICA = register_hold("no forward replica", "unshard: no single forward gather of the same shard, "
                                                          "group and type whose replica the forward frees")
 BUCKETED = register_hold("bucketed", "unshard: it gathers a bucket; only single-parameter re-gathers are unsharded")
-NO_GAIN = register_hold("saves too little", "unshard: without this re-gather the simulated step would be shorter "
-                                           "by less than min-saved-ms (it is hidden already)")
 SHARD_WRITTEN = register_hold("shard written", "unshard: the shard is written in place, so the forward replica may "
                                                "differ from what the re-gather would read")
 
@@ -94,10 +91,10 @@ class Unshard(ModulePass):
             unshard(trial, c)
             after = simulate(trial, costs=costs)
             if after.peak_bytes > cap:
-                held[c.regather] = OVER_CAP
+                held[c.regather] = OVER_PEAK_CAP
                 continue
             if self.min_saved_ms > 0 and current.step_ms - after.step_ms < self.min_saved_ms:
-                held[c.regather] = NO_GAIN
+                held[c.regather] = SAVES_TOO_LITTLE
                 continue
             bought[c.param] = {
                 "exposed_saved_ms": round(current.exposed_ms - after.exposed_ms, 6),
