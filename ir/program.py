@@ -236,6 +236,30 @@ class Schedule:
             names.insert(at, name)
             off.update(zip(names[at:lo + 1], range(at, lo + 1)))
 
+    def insert_before(self, name: str, target: str) -> None:
+        """Add a new name just before `target` (the rewriter's `create`): one block re-indexed."""
+        into, at = self._block[target], self._off[target]
+        into.names.insert(at, name)
+        self._block[name] = into
+        self._off.update(zip(into.names[at:], range(at, len(into.names))))
+        for block in self._blocks[into.at + 1:]:
+            block.start += 1
+        self._flat = None
+        if len(into.names) >= 2 * _BLOCK:
+            self._split(into)
+
+    def remove(self, name: str) -> None:
+        """Take a name out (the rewriter's `erase`): one block re-indexed."""
+        block, at = self._block.pop(name), self._off.pop(name)
+        del block.names[at]
+        self._off.update(zip(block.names[at:], range(at, len(block.names))))
+        for later in self._blocks[block.at + 1:]:
+            later.start -= 1
+        self._moved.discard(name)
+        self._flat = None
+        if not block.names:
+            self._drop_empty()
+
     def _split(self, block: _Block) -> None:
         half = len(block.names) // 2
         new = _Block(block.names[half:], block.start + half, block.at + 1)

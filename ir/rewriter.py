@@ -35,7 +35,7 @@ import attrs
 
 from .effects import storage_readers, storage_root
 from .ops import Free, Op
-from .program import DATA, EFFECT, Program, Schedule
+from .program import DATA, EFFECT, Program
 
 
 class RewriteError(ValueError):
@@ -87,12 +87,12 @@ class Rewriter:
             if pos(operand) >= pos(before):
                 raise RewriteError(f"create(%{op.name}): operand %{operand} is not scheduled before %{before}")
         program.add(op)
-        program.schedule = _inserted(program.schedule, op.name, before)
+        program.schedule.insert_before(op.name, before)
         try:  # its reads of existing storage keep their order with that storage's writes and free
             edges = [e for operand in dict.fromkeys(op.operands) for e in self._storage_order([op.name], operand)]
         except RewriteError:
             program.graph.remove_node(op.name)
-            program.schedule = _removed(program.schedule, op.name)
+            program.schedule.remove(op.name)
             raise
         for first, then, why in edges:
             program.add_effect(first, then, why)
@@ -218,7 +218,7 @@ class Rewriter:
             for s in succs:
                 program.add_effect(p, s, why)
         graph.remove_node(name)
-        program.schedule = _removed(program.schedule, name)
+        program.schedule.remove(name)
         program.payload.pop(name, None)
         self.erased += 1
 
@@ -241,15 +241,3 @@ def _with_operands(op: Op, old: str, new: str) -> Op:
     if getattr(op, "alias", None) == old:
         changes["alias"] = new
     return attrs.evolve(op, **changes)
-
-
-# a rewrite changes the node set, so the schedule is rebuilt (O(N) per edit: rewriting passes
-# edit a few nodes per candidate, and the manager re-verifies the whole program after them)
-def _inserted(schedule: Schedule, name: str, before: str) -> Schedule:
-    order = schedule.names()
-    order.insert(schedule.index(before), name)
-    return Schedule(order)
-
-
-def _removed(schedule: Schedule, name: str) -> Schedule:
-    return Schedule(n for n in schedule if n != name)
