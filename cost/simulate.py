@@ -283,3 +283,178 @@ def _memory(order: list[str], ops: Mapping[str, Any]) -> MemoryProfile:
         for gone in releases.get(i, ()):
             live -= alloc[gone]
     return MemoryProfile(tuple(order), tuple(curve), peak, peak_at, alloc, root, statics, releases)
+
+
+# ---- stepping the time rules op by op (the rewriting passes' trials) --------------------------
+
+LAUNCH, WAIT, OTHER = 1, 2, 0
+
+
+def step_of(op, cost: float) -> tuple:
+    """What the time rules of `simulate` need of one op: (kind, cost, stream, launch waited on or
+    gathered bytes). A wait counts as a wait only on a launch stepped before it (as in `simulate`)."""
+    if isinstance(op, Launch):
+        gathered = alloc_bytes(op) if collective_kind(op.target) == "all_gather" else 0
+        return (LAUNCH, cost, stream_of(op), gathered)
+    if isinstance(op, Wait) and op.operands:
+        return (WAIT, cost, None, op.operands[0])
+    return (OTHER, cost, None, None)
+
+
+class Clock:
+    """The time half of `simulate`, stepped one op at a time from any state, so that a pass can
+    run a rewritten stretch of the schedule from where the two programs still agree and compare
+    (`Clock.same`) where they agree again: from there on the rewritten one only runs `t` later.
+
+    `t` is the compute stream's time, `free` each stream's, `ends` every stepped launch's end,
+    `pending` the launches stepped and not waited (with their gathered bytes), `exposed` the
+    total time waited, `level` the gathered bytes in flight and `peak_level` its largest value
+    at the end of a run of equal times (as `simulate` counts `max_inflight_bytes`)."""
+
+    __slots__ = ("t", "free", "ends", "pending", "exposed", "level", "peak_level", "_last")
+
+    def __init__(self):
+        self.t = 0.0
+        self.free: dict[str, float] = {}
+        self.ends: dict[str, float] = {}
+        self.pending: dict[str, int] = {}
+        self.exposed = 0.0
+        self.level = 0
+        self.peak_level = 0
+        self._last = 0.0
+
+    def fork(self) -> Clock:
+        """A copy to run on (`ends` is shared read-only: what a fork steps it keeps in its own)."""
+        new = Clock.__new__(Clock)
+        new.t, new.exposed, new.level, new.peak_level, new._last = self.t, self.exposed, self.level, 0, self.t
+        new.free, new.pending = dict(self.free), dict(self.pending)
+        new.ends = _Overlay(self.ends)
+        return new
+
+    def step(self, name: str, s: tuple) -> None:
+        kind, cost, stream, extra = s
+        t = self.t
+        if kind == LAUNCH:
+            start = self.free.get(stream, 0.0)
+            if start < t:
+                start = t
+            end = start + cost
+            self.free[stream] = end
+            self.ends[name] = end
+            self.pending[name] = extra
+            if extra:
+                self._level(t, extra)
+            return
+        if kind == WAIT:
+            end = self.ends.get(extra)
+            if end is not None:
+                if end > t:
+                    self.exposed += end - t
+                    t = end
+                gathered = self.pending.pop(extra, 0)
+                if gathered:
+                    self._level(t, -gathered)
+        self.t = t + cost
+
+    def _level(self, when: float, delta: int) -> None:
+        if when != self._last:  # a run of equal times ended: its level counts
+            if self.level > self.peak_level:
+                self.peak_level = self.level
+            self._last = when
+        self.level += delta
+
+    def close_level(self) -> int:
+        """The largest in-flight level at the end of a run of equal times, so far."""
+        return max(self.peak_level, self.level)
+
+    def same(self, other: Clock, tol: float = 1e-9) -> bool:
+        """Whether the two run the same from here on, `other` later by `other.t - self.t`:
+        every stream and every pending collective is as far ahead of its compute time."""
+        if self.pending.keys() != other.pending.keys():
+            return False
+        a, b = self.t, other.t
+        for stream in self.free.keys() | other.free.keys():
+            if abs(max(self.free.get(stream, 0.0) - a, 0.0) - max(other.free.get(stream, 0.0) - b, 0.0)) > tol:
+                return False
+        return all(abs(max(self.ends.get(n) - a, 0.0) - max(other.ends.get(n) - b, 0.0)) <= tol for n in self.pending)
+
+    def step_ms(self) -> float:
+        """The step if the program ended here."""
+        return max(self.t, max(self.free.values(), default=0.0))
+
+
+class _Overlay(dict):
+    """A dict read through to `base` where it has no key of its own."""
+
+    __slots__ = ("base",)
+
+    def __init__(self, base):
+        super().__init__()
+        self.base = base
+
+    def get(self, key, default=None):
+        if dict.__contains__(self, key):
+            return dict.__getitem__(self, key)
+        return self.base.get(key, default)
+
+
+class Sweep:
+    """`Clock` along one schedule (`order`, each name's `steps`) with changes made to it in
+    schedule order, and trials of a change before it is made.
+
+    A change skips some names and runs new steps just before others (`before`: anchor name ->
+    [(name, step)]). `trial` runs the program with and without a change from `at` (where they
+    start to differ; the sweep's own clock has reached it) until both ran past `end` and run
+    the same again (`Clock.same`), so it costs the stretch the change touches, not the schedule."""
+
+    def __init__(self, order: list[str], steps: Mapping[str, tuple]):
+        self.order, self.steps = order, steps
+        self.clock = Clock()
+        self.at = 0  # the next index of `order` the clock steps
+        self.skip: set[str] = set()
+        self.before: dict[str, list[tuple[str, tuple]]] = {}
+
+    def advance(self, to: int) -> None:
+        """Step the clock through order[at:to] of the program as changed so far."""
+        clock, steps, skip, before = self.clock, self.steps, self.skip, self.before
+        for name in self.order[self.at:to]:
+            for new, s in before.get(name, ()):
+                clock.step(new, s)
+            if name not in skip:
+                clock.step(name, steps[name])
+        self.at = max(self.at, to)
+
+    def trial(self, at: int, end: int, skip: set[str], before: dict[str, list]) -> tuple[float, float, int]:
+        """(step change, exposed change, largest gathered bytes in flight while they differ) of
+        a change that leaves order[:at] alone and touches nothing after order[end]."""
+        self.advance(at)
+        base, trial = self.clock.fork(), self.clock.fork()
+        steps, cur_skip, cur_before, order = self.steps, self.skip, self.before, self.order
+        for i in range(at, len(order)):
+            name = order[i]
+            for new, s in cur_before.get(name, ()):
+                base.step(new, s)
+                trial.step(new, s)
+            for new, s in before.get(name, ()):
+                trial.step(new, s)
+            if name not in cur_skip:
+                s = steps[name]
+                base.step(name, s)
+                if name not in skip:
+                    trial.step(name, s)
+                # once the two run the same they stay so: look where a collective starts or ends
+                if i >= end and (s[0] != OTHER or i == end) and base.same(trial):
+                    return trial.t - base.t, trial.exposed - base.exposed, trial.close_level()
+        return trial.step_ms() - base.step_ms(), trial.exposed - base.exposed, trial.close_level()
+
+    def make(self, skip: set[str], before: dict[str, list]) -> None:
+        """Make a change (one whose names are all at or after the clock) part of the program."""
+        self.skip |= skip
+        for anchor, new in before.items():
+            self.before.setdefault(anchor, []).extend(new)
+
+
+def steps_of(program: Program, costs: Mapping[str, float]) -> dict[str, tuple]:
+    """`step_of` for every op of the program."""
+    nodes = program.graph.nodes
+    return {n: step_of(nodes[n]["op"], costs.get(n, 0.0)) for n in program.schedule}

@@ -30,12 +30,13 @@ from collections import Counter
 import attrs
 
 from ..cost.model import CostAnalysis
-from ..cost.simulate import simulate
+from ..cost.simulate import MemoryProfile, Sweep, simulate, steps_of
 from ..ir import DATA, Cast, Free, Launch, Program, Role, Wait, storage_root
 from ..ir.holds import OVER_PEAK_CAP, SAVES_TOO_LITTLE, register_hold
 from ..ir.rewriter import Rewriter
 from .base import ModulePass, PassContext, PassResult, check_budget, check_ms, option, register_pass
-from .memory_cap import cap_bytes, rewrite_cap, rewrite_stats
+from .maxtree import MaxTree
+from .memory_cap import MemoryAnalysis, cap_bytes, rewrite_cap, rewrite_stats
 
 NO_FORWARD_REPLICA = register_hold("no forward replica", "unshard: no single forward gather of the same shard, "
                                                          "group and type whose replica the forward frees")
@@ -75,7 +76,7 @@ class Unshard(ModulePass):
 
     def apply(self, ctx: PassContext, program: Program) -> PassResult:
         costs = ctx.get(CostAnalysis, program).ms
-        before = current = simulate(program, costs=costs)
+        before = simulate(program, costs=costs)
         cap = rewrite_cap(self.max_peak_gb, self.max_peak_increase_gb, before.peak_bytes, cap_bytes(ctx))
         candidates, held = find_candidates(program)
         pos = program.schedule.index
@@ -85,25 +86,20 @@ class Unshard(ModulePass):
             return (-before.exposed_by_collective.get(c.regather, 0.0) / per_byte,
                     -costs.get(c.regather, 0.0) / per_byte, pos(c.regather))
 
+        ordered = sorted(candidates, key=merit)
+        if self.min_saved_ms > 0:  # each candidate's saving depends on those taken before it
+            taken, saved = self._take_simulated(program, ordered, costs, before, cap, held)
+        else:
+            taken = self._take_within_cap(program, ctx, ordered, cap, held)
+            saved = _savings(program, costs, taken)
         bought: dict[str, dict[str, float]] = {}
-        for c in sorted(candidates, key=merit):
-            trial = program.copy()
-            unshard(trial, c)
-            after = simulate(trial, costs=costs)
-            if after.peak_bytes > cap:
-                held[c.regather] = OVER_PEAK_CAP
-                continue
-            if self.min_saved_ms > 0 and current.step_ms - after.step_ms < self.min_saved_ms:
-                held[c.regather] = SAVES_TOO_LITTLE
-                continue
-            bought[c.param] = {
-                "exposed_saved_ms": round(current.exposed_ms - after.exposed_ms, 6),
-                "step_saved_ms": round(current.step_ms - after.step_ms, 6),
-                "comm_saved_ms": round(costs.get(c.regather, 0.0), 6),
-                "held_bytes": c.nbytes,
-            }
-            program.graph, program.schedule, program.payload = trial.graph, trial.schedule, trial.payload
-            current = after
+        for c in taken:
+            step, exposed = saved[c.param]
+            bought[c.param] = {"exposed_saved_ms": round(exposed, 6), "step_saved_ms": round(step, 6),
+                               "comm_saved_ms": round(costs.get(c.regather, 0.0), 6), "held_bytes": c.nbytes}
+        for c in taken:
+            unshard(program, c)
+        after = simulate(program, costs=costs) if taken else before
 
         for launch, reason in held.items():
             op = program.op(launch)
@@ -112,10 +108,91 @@ class Unshard(ModulePass):
         stats = {
             "unsharded": len(bought),
             **Counter(held.values()),
-            **rewrite_stats(before, current, cap),
+            **rewrite_stats(before, after, cap),
             "bought": bought,
         }
         return PassResult(bool(bought), stats)
+
+    @staticmethod
+    def _take_within_cap(program: Program, ctx: PassContext, ordered: list[Candidate], cap: float,
+                         held: dict[str, str]) -> list[Candidate]:
+        """The candidates, best first, that keep the simulated peak within the cap: each one's
+        change to the live-bytes curve (its replica lives on to the re-gather's release; the
+        re-gather's buffer and cast are gone) is added to a max tree over the schedule, O(log N)."""
+        profile = ctx.get(MemoryAnalysis, program).profile
+        tree = MaxTree.of(list(profile.live))
+        n = len(profile.order)
+        slot = {name: i for i, name in enumerate(profile.order)}
+        released = {buf: i for i, bufs in profile.releases.items() for buf in bufs}
+        taken = []
+        for c in ordered:
+            changes = _live_changes(c, slot, profile, released)
+            for lo, hi, nbytes in changes:
+                tree.add(lo, hi, nbytes)
+            if tree.max(0, n) > cap:
+                for lo, hi, nbytes in changes:
+                    tree.add(lo, hi, -nbytes)
+                held[c.regather] = OVER_PEAK_CAP
+                continue
+            taken.append(c)
+        return taken
+
+    def _take_simulated(self, program: Program, ordered: list[Candidate], costs, before, cap: float,
+                        held: dict[str, str]) -> tuple[list[Candidate], dict[str, tuple[float, float]]]:
+        """With min-saved-ms: each candidate simulated on a copy with those taken before it (a
+        whole simulation per candidate: this option is for small graphs)."""
+        current, taken, saved = before, [], {}
+        for c in ordered:
+            trial = program.copy()
+            for t in taken + [c]:
+                unshard(trial, t)
+            after = simulate(trial, costs=costs)
+            if after.peak_bytes > cap:
+                held[c.regather] = OVER_PEAK_CAP
+                continue
+            if current.step_ms - after.step_ms < self.min_saved_ms:
+                held[c.regather] = SAVES_TOO_LITTLE
+                continue
+            saved[c.param] = (current.step_ms - after.step_ms, current.exposed_ms - after.exposed_ms)
+            taken.append(c)
+            current = after
+        return taken, saved
+
+
+def _live_changes(c: Candidate, slot: dict[str, int], profile: MemoryProfile,
+                  released: dict[str, int]) -> list[tuple[int, int, int]]:
+    """How unsharding `c` changes the live bytes (as `memory_profile` counts them) at each slot
+    of the schedule: (lo, hi, bytes) added over slots [lo, hi). The forward replica, released at
+    the forward free, lives on to where the re-gather's buffer was released (its readers and its
+    free are the replica's now); the re-gather's buffer and its cast are gone. An erased op's slot
+    keeps the bytes live just before it, which the next op's slot has too, so maxima are exact."""
+    root, alloc, end = profile.root, profile.alloc, len(profile.order)
+    replica, regathered = root[c.forward_wait], root[c.regather_wait]
+    changes = []
+    if released.get(replica) == slot[c.forward_free]:  # else it lives on anyway (the output returns it)
+        until = released.get(regathered, end - 1)
+        changes.append((slot[c.forward_free] + 1, until + 1, alloc.get(replica, 0)))
+    for gone in (regathered, c.regather_cast):
+        if gone is not None and alloc.get(gone, 0) and gone in released:
+            changes.append((slot[gone], released[gone] + 1, -alloc[gone]))
+        elif gone is not None and alloc.get(gone, 0):
+            changes.append((slot[gone], end, -alloc[gone]))
+    return changes
+
+
+def _savings(program: Program, costs, taken: list[Candidate]) -> dict[str, tuple[float, float]]:
+    """What each candidate taken saves (step, exposed ms), with those before it in the schedule
+    taken too: one sweep of the schedule, each candidate run from its re-gather until the
+    program runs as without it again (the savings add up to the whole change)."""
+    pos = program.schedule.index
+    sweep = Sweep(program.schedule.names(), steps_of(program, costs))
+    saved = {}
+    for c in sorted(taken, key=lambda c: pos(c.regather_cast or c.regather)):
+        skip = {c.regather, c.regather_wait} | ({c.regather_cast} if c.regather_cast else set())  # a free takes no time
+        step, exposed, _ = sweep.trial(pos(c.regather_cast or c.regather), pos(c.regather_wait), skip, {})
+        saved[c.param] = (-step, -exposed)
+        sweep.make(skip, {})
+    return saved
 
 
 def unshard(program: Program, c: Candidate) -> Rewriter:
@@ -135,23 +212,32 @@ def find_candidates(program: Program) -> tuple[list[Candidate], dict[str, str]]:
     (launch -> hold reason)."""
     node, succ = program.node_data, program.successors
     pos = program.schedule.index
-    launches = [op for op in program.ops() if isinstance(op, Launch)]
-    frees = [op for op in program.ops() if isinstance(op, Free) and op.operands]
+    ops = list(program.ops())
+    roots: dict[str, str] = {}
+    forward_gathers: dict[tuple, list[Launch]] = {}  # (params, group) -> unbucketed forward gathers, in order
+    replica_frees: dict[str, list[str]] = {}         # storage root -> the frees of it
+    written = set()                                  # storage roots some op writes in place
+    for op in ops:
+        if isinstance(op, Launch) and op.role is Role.GATHER and op.bucket is None:
+            forward_gathers.setdefault((op.params, op.group), []).append(op)
+        elif isinstance(op, Free) and op.operands:
+            replica_frees.setdefault(storage_root(program, op.operands[0], roots), []).append(op.name)
+        written.update(storage_root(program, w, roots) for w in getattr(op, "writes", ()))
     candidates, held = [], {}
 
     def wait_of(launch: str) -> str | None:
         waits = [u for u, e in succ[launch].items() if e["kind"] == DATA and isinstance(node[u]["op"], Wait)]
         return waits[0] if len(waits) == 1 else None
 
-    for regather in launches:
-        if regather.role is not Role.REGATHER:
+    for regather in ops:
+        if not isinstance(regather, Launch) or regather.role is not Role.REGATHER:
             continue
         if regather.bucket is not None or len(regather.params) != 1:
             held[regather.name] = BUCKETED
             continue
         param = regather.params[0]
-        forward = [op for op in launches if op.role is Role.GATHER and op.params == regather.params
-                   and op.bucket is None and op.group == regather.group and pos(op.name) < pos(regather.name)]
+        at = pos(regather.name)
+        forward = [op for op in forward_gathers.get((regather.params, regather.group), ()) if pos(op.name) < at]
         forward_wait = wait_of(forward[-1].name) if forward else None
         regather_wait = wait_of(regather.name)
         source = _source(program, regather)
@@ -159,18 +245,17 @@ def find_candidates(program: Program) -> tuple[list[Candidate], dict[str, str]]:
                 or node[forward_wait]["op"].types != node[regather_wait]["op"].types:
             held[regather.name] = NO_FORWARD_REPLICA
             continue
-        replica_frees = [f for f in frees if storage_root(program, f.operands[0]) == forward_wait]
-        if len(replica_frees) != 1 or not pos(forward_wait) < pos(replica_frees[0].name) < pos(regather.name):
+        frees = replica_frees.get(forward_wait, ())
+        if len(frees) != 1 or not pos(forward_wait) < pos(frees[0]) < at:
             held[regather.name] = NO_FORWARD_REPLICA
             continue
-        if _written(program, source[0]):
+        if storage_root(program, source[0], roots) in written:
             held[regather.name] = SHARD_WRITTEN
             continue
         cast = regather.operands[0] if isinstance(node[regather.operands[0]]["op"], Cast) else None
         if cast is not None and [u for u, e in succ[cast].items() if e["kind"] == DATA] != [regather.name]:
             cast = None  # someone else reads it: it stays
-        candidates.append(Candidate(param, regather.name, regather_wait, cast, forward_wait,
-                                    replica_frees[0].name,
+        candidates.append(Candidate(param, regather.name, regather_wait, cast, forward_wait, frees[0],
                                     node[forward_wait]["op"].nbytes_out or regather.nbytes or 0))
     return candidates, held
 
@@ -183,9 +268,3 @@ def _source(program: Program, launch: Launch) -> tuple | None:
     if isinstance(op, Cast) and len(op.operands) == 1:
         return (op.operands[0], op.target, op.types)
     return (op.name,)
-
-
-def _written(program: Program, shard: str) -> bool:
-    """Whether any op writes the shard's storage in place (the storage effects' `writes`)."""
-    root = storage_root(program, shard)
-    return any(storage_root(program, w) == root for op in program.ops() for w in getattr(op, "writes", ()))

@@ -141,3 +141,41 @@ def test_unshard_with_min_saved_ms_takes_only_what_shortens_the_step(default_pro
     stats = next(iter(result.stats().values()))
     assert stats["unsharded"] > 0
     assert all(b["step_saved_ms"] >= 0.0001 for b in stats["bought"].values())
+
+
+def _reference_unshard(program, cap):
+    """What unshard takes when it simulates a rewritten copy per candidate (its algorithm before
+    the incremental check): best first, each kept if the whole program's simulated peak fits."""
+    from fxsched.cost.model import CostAnalysis
+    from fxsched.passes.base import PassContext
+    from fxsched.passes.unshard import find_candidates, unshard
+
+    costs = PassContext().get(CostAnalysis, program).ms
+    before = simulate(program, costs=costs)
+    pos = program.schedule.index
+    candidates, _ = find_candidates(program)
+    order = sorted(candidates, key=lambda c: (-before.exposed_by_collective.get(c.regather, 0.0) / max(c.nbytes, 1),
+                                              -costs.get(c.regather, 0.0) / max(c.nbytes, 1), pos(c.regather)))
+    current, taken = program.copy(), []
+    for c in order:
+        trial = current.copy()
+        unshard(trial, c)
+        if simulate(trial, costs=costs).peak_bytes <= cap:
+            current, taken = trial, taken + [c.param]
+    return taken, simulate(current, costs=costs)
+
+
+@settings(max_examples=25, deadline=None)
+@given(case=st.sampled_from(CASES), factor=st.floats(0.9, 1.4))
+def test_unshard_takes_what_simulating_each_candidate_takes(default_programs, case, factor):
+    """The live-bytes tree decides as a whole simulation per candidate would, and the savings it
+    reports per parameter add up to the simulated change of the step."""
+    program = default_programs[case].copy()
+    cap = simulate(program).peak_bytes * factor
+    taken, reference = _reference_unshard(program, cap)
+    result = PassManager(f"unshard{{max-peak-gb={cap / GIB!r}}}").run(program)
+    stats = next(iter(result.stats().values()))
+    assert list(stats["bought"]) == taken
+    assert simulate(program).peak_bytes == reference.peak_bytes and simulate(program).step_ms == reference.step_ms
+    saved = sum(b["step_saved_ms"] for b in stats["bought"].values())
+    assert saved == pytest.approx(stats["step_before_ms"] - stats["step_after_ms"], abs=1e-5)
