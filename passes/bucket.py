@@ -38,11 +38,13 @@ from collections import Counter
 import attrs
 
 from ..cost.model import CostAnalysis
-from ..cost.simulate import Simulation, simulate
-from ..ir import DATA, Cast, Compute, CopyOut, Launch, Phase, Program, Role, TensorType, View, Wait, holds
+from ..cost.simulate import MemoryProfile, Sweep, alloc_bytes, memory_profile, simulate, step_of, steps_of
+from ..ir import DATA, EFFECT, Cast, Compute, CopyOut, Free, Launch, Phase, Program, Role, TensorType, View, Wait, holds
+from ..ir.effects import storage_readers, storage_root
 from ..ir.holds import OVER_PEAK_CAP, SAVES_TOO_LITTLE, register_hold
 from ..ir.rewriter import Call, Operand, RewriteError, Rewriter
 from .base import ModulePass, PassContext, PassResult, check_budget, check_ms, option, register_pass
+from .maxtree import MaxTree
 from .memory_cap import GIB, cap_bytes, rewrite_cap, rewrite_stats
 
 MIB = 1 << 20
@@ -94,17 +96,19 @@ class Bucket(ModulePass):
 
     def apply(self, ctx: PassContext, program: Program) -> PassResult:
         analysis = ctx.get(CostAnalysis, program)
-        costs = dict(analysis.ms)
-        before = current = simulate(program, costs=costs)
+        costs = dict(analysis.ms)   # and the new ops', as buckets are made
+        before = simulate(program, costs=costs)
         cap = rewrite_cap(self.max_peak_gb, self.max_peak_increase_gb, before.peak_bytes, cap_bytes(ctx))
         inflight_cap = max(self.max_in_flight_gb * GIB, before.max_inflight_bytes)
         held: dict[str, str] = {}
         bought: dict[str, dict] = {}
+        names = _Names(program)
         kinds = [k for k, on in (("gather", self.gathers), ("reduce-scatter", self.reduce_scatters)) if on]
         for kind in kinds:
             runs, not_packable = _runs(program, kind)
             held.update(dict.fromkeys(not_packable, NOT_PACKABLE))
             for run in runs:
+                trials = _Trials(program, costs, analysis.model)
                 start = 0
                 while start < len(run):
                     members, best, end = [run[start]], None, start + 1
@@ -113,36 +117,33 @@ class Bucket(ModulePass):
                         if sum(m.nbytes for m in trial_members) > self.max_bucket_mb * MIB:
                             held[run[end].launch] = OVER_SIZE
                             break
-                        trial = program.copy()
                         try:
-                            created = merge(trial, trial_members, kind, _fresh_name(trial, kind))
+                            trial = trials.evaluate(trial_members, kind, names.fresh(kind))
                         except RewriteError:
                             held[run[end].launch] = EFFECT_EDGE
                             break
-                        trial_costs = dict(costs)
-                        trial_costs.update({n: analysis.model.op_ms(trial.op(n), trial) for n in created})
-                        sim = simulate(trial, costs=trial_costs)
-                        reason = self.refusal(sim, (best or (None, current))[1], cap, inflight_cap)
+                        reason = self.refusal(trial, best, cap, inflight_cap)
                         if reason is not None:
                             held[run[end].launch] = reason
                             break
-                        members, best = trial_members, (trial, sim, trial_costs, created)
+                        members, best = trial_members, trial
                         end += 1
                     if best is not None:
-                        trial, sim, costs, created = best
-                        bucket = next(trial.op(n) for n in created if isinstance(trial.op(n), Launch))
-                        bought[bucket.name] = {
+                        name = names.fresh(kind)
+                        bought[name] = {
                             "kind": kind, "members": [m.launch for m in members],
                             "bytes": sum(m.nbytes for m in members),
-                            "step_saved_ms": round(current.step_ms - sim.step_ms, 6),
-                            "peak_change_bytes": sim.peak_bytes - current.peak_bytes,
+                            "step_saved_ms": round(-best.step_ms, 6),
+                            "peak_change_bytes": best.peak_bytes - trials.peak_without,
                         }
+                        merge(program, members, kind, name)
+                        trials.make(best)
+                        names.taken(name)
                         for m in members:
                             held.pop(m.launch, None)
-                        program.graph, program.schedule, program.payload = trial.graph, trial.schedule, trial.payload
-                        current = sim
                     start = end
 
+        after = simulate(program, costs=costs) if bought else before
         for launch, reason in held.items():
             if launch in program.graph:
                 op = program.op(launch)
@@ -153,20 +154,179 @@ class Bucket(ModulePass):
             "gathers bucketed": sum(len(b["members"]) for b in bought.values() if b["kind"] == "gather"),
             "reduce-scatters bucketed": sum(len(b["members"]) for b in bought.values() if b["kind"] != "gather"),
             **Counter(held[n] for n in held if n in program.graph),
-            **rewrite_stats(before, current, cap),
+            **rewrite_stats(before, after, cap),
             "bought": bought,
         }
         return PassResult(bool(bought), stats)
 
-    def refusal(self, sim: Simulation, without: Simulation, cap: float, inflight_cap: float) -> str | None:
-        """Why a bucket simulated as `sim` is not taken over `without` (None: it is)."""
-        if sim.peak_bytes > cap:
+    def refusal(self, trial: Trial, best: Trial | None, cap: float, inflight_cap: float) -> str | None:
+        """Why a bucket `trial` is not taken over the bucket before it, `best` (None: the
+        program as it is), or None when it is."""
+        if trial.peak_bytes > cap:
             return OVER_PEAK_CAP
-        if sim.max_inflight_bytes > inflight_cap:
+        if trial.inflight_bytes > inflight_cap:
             return holds.OVER_BUDGET
-        if not sim.step_ms < without.step_ms - self.min_saved_ms:
+        if not trial.step_ms < (best.step_ms if best else 0.0) - self.min_saved_ms:
             return SAVES_TOO_LITTLE
         return None
+
+
+# ---- trials ------------------------------------------------------------------------------
+
+@attrs.frozen
+class Trial:
+    """A bucket tried on the program as it is: what it changes (`plan`, the new ops' `costs`,
+    its `skip`ped names and new `steps` for the sweep, its `live` changes for the tree) and what
+    it does: the change of the simulated step, the simulated peak, the most gathered bytes in
+    flight while it runs differently."""
+
+    plan: DryRun
+    costs: dict
+    skip: frozenset
+    steps: dict
+    live: tuple
+    step_ms: float
+    peak_bytes: int
+    inflight_bytes: int
+
+
+class _Trials:
+    """Tries buckets of one run on the program: `evaluate` without rewriting it, `make` after
+    the bucket was merged. Each trial is simulated only from its first member until the program
+    runs as without it again (cost/simulate.py's Sweep; the runs before are stepped once), and its
+    peak is its change to the live-bytes curve in a max tree, so a trial costs what it touches."""
+
+    def __init__(self, program: Program, costs: dict, model):
+        self.program, self.costs, self.model = program, costs, model
+        order = program.schedule.names()
+        self.slot = {n: i for i, n in enumerate(order)}
+        self.sweep = Sweep(order, steps_of(program, costs))
+        self.profile = profile = memory_profile(program)
+        self.tree = MaxTree.of(list(profile.live))
+        self.released = {buf: i for i, bufs in profile.releases.items() for buf in bufs}
+        self.first_free: dict[str, int] = {}  # storage root -> the slot of its first free
+        nodes = program.graph.nodes
+        for i, n in enumerate(order):
+            op = nodes[n]["op"]
+            if isinstance(op, Free) and op.operands:
+                self.first_free.setdefault(profile.root.get(op.operands[0], op.operands[0]), i)
+        self.peak_without = self.tree.max(0, len(order))
+
+    def evaluate(self, members: list[Member], kind: str, name: str) -> Trial:
+        program, slot = self.program, self.slot
+        plan = DryRun(program)
+        merge(program, members, kind, name, plan)  # raises RewriteError where it would
+        scratch = Program()
+        created = [op for ops in plan.before.values() for op, _ in ops]
+        for op in created:
+            for operand in op.operands:
+                if operand not in scratch.graph:
+                    scratch.graph.add_node(operand, op=program.op(operand) if operand in program.graph
+                                           else plan.ops[operand])
+            if op.name not in scratch.graph:
+                scratch.graph.add_node(op.name, op=op)
+        costs = {op.name: self.model.op_ms(op, scratch) for op in created}
+        skip = frozenset({n for m in members for n in (m.launch, m.wait)} | set(plan.hoisted))
+        steps: dict[str, list] = {}
+        for cast, anchor in plan.hoisted.items():
+            steps.setdefault(anchor, []).append((cast, self.sweep.steps[cast]))
+        for anchor, ops in plan.before.items():
+            steps.setdefault(anchor, []).extend((op.name, step_of(op, costs[op.name])) for op, _ in ops)
+        touched = [slot[n] for n in skip | set(plan.before)]
+        step_ms, _, inflight = self.sweep.trial(min(touched), max(touched), skip, steps)
+        live = tuple(_live_changes(kind, plan, members, name, slot, self.profile, self.released,
+                                   self.first_free))
+        tree, n = self.tree, len(slot)
+        for lo, hi, nbytes in live:
+            tree.add(lo, hi, nbytes)
+        peak = tree.max(0, n)
+        for lo, hi, nbytes in live:
+            tree.add(lo, hi, -nbytes)
+        return Trial(plan, costs, skip, steps, live, step_ms, peak, inflight)
+
+    def make(self, trial: Trial) -> None:
+        for lo, hi, nbytes in trial.live:
+            self.tree.add(lo, hi, nbytes)
+        self.sweep.make(set(trial.skip), trial.steps)
+        self.costs.update(trial.costs)
+        self.peak_without = trial.peak_bytes
+
+
+def _live_changes(kind: str, plan: DryRun, members: list[Member], name: str, slot: dict[str, int],
+                  profile: MemoryProfile, released: dict[str, int], first_free: dict[str, int]):
+    """How merging `members` changes the live bytes (as `memory_profile` counts them) at each
+    slot of the schedule: (lo, hi, bytes) added over slots [lo, hi). New ops share the slot of
+    the op they are created before; where several allocate and release in one slot, the change
+    there is what makes the slot's largest value right. (An erased op's slot keeps the bytes
+    live just before it, which the next op's slot has too.)"""
+    alloc, end = profile.alloc, len(slot) - 1
+    new = plan.ops
+    pack, bucket = alloc_bytes(new[f"{name}_pack"]), alloc_bytes(new[name])
+    at = slot[plan.anchor[name]]             # where the bucket launches (pack, launch)
+    here = slot[plan.anchor[f"{name}_wait"]]  # where it is waited (copy-outs or slices)
+    changes = [(at, at + 1, pack)]
+    for m in members:  # each member's gathered or reduced buffer is gone
+        changes.append((slot[m.launch], released.get(m.launch, end) + 1, -alloc.get(m.launch, 0)))
+    if kind == "gather":
+        changes.append((at, here + 1, bucket))  # released after the last copy-out
+        for i, m in enumerate(members):  # a copy-out lives as its member's buffer did, from the wait on
+            until = released.get(m.launch, end)
+            changes.append((here, (here if until == slot[m.launch] else until) + 1,
+                            alloc_bytes(new[f"{name}_copy{i}"])))
+        hoisted = unhoisted = 0  # private casts: the pack reads them now and is their last reader
+        for m in members:
+            size = alloc.get(m.cast, 0) if m.cast is not None else 0
+            if not size or m.cast not in released:
+                continue
+            if m.cast in plan.hoisted:
+                changes.append((slot[m.cast], released[m.cast] + 1, -size))
+                hoisted += size
+            else:
+                changes.append((at + 1, released[m.cast] + 1, -size))
+                unhoisted += size
+        # in the launch's slot: the pack with the hoisted casts, or the launch once every cast is
+        # released (the bucket is at least the casts it packs)
+        fix = min(bucket - hoisted, unhoisted)
+    else:
+        frees = [first_free[m.launch] for m in members if m.launch in first_free]
+        until = min(frees) if frees else max(released.get(m.launch, end) for m in members)
+        changes.append((at, until + 1, bucket))
+        read_here, seen = 0, set()  # gradients: the pack, here, is their last reader if none is later
+        for m in members:
+            root = profile.root.get(m.source, m.source)
+            size = alloc.get(root, 0)
+            if root in seen or not size or root not in released:
+                continue
+            seen.add(root)
+            if released[root] < at:
+                changes.append((released[root] + 1, at + 1, size))
+            if released[root] <= at:
+                read_here += size
+        fix = min(bucket, read_here)  # released after the pack, before the launch allocates
+    if fix > 0:
+        changes.append((at, at + 1, -fix))
+    return [c for c in changes if c[0] < c[1] and c[2]]
+
+
+class _Names:
+    """Fresh bucket names (`ag_bucket0`, `rs_bucket0`, ...), unused by ops and bucket ids."""
+
+    def __init__(self, program: Program):
+        self.program = program
+        self.buckets = {op.bucket for op in program.ops() if isinstance(op, Launch)}
+        self.next = {}
+
+    def fresh(self, kind: str) -> str:
+        stem = "ag_bucket" if kind == "gather" else "rs_bucket"
+        i = self.next.get(stem, 0)
+        graph = self.program.graph
+        while any(f"{stem}{i}{suffix}" in graph for suffix in ("", "_pack", "_wait")) or f"{stem}{i}" in self.buckets:
+            i += 1
+        self.next[stem] = i
+        return f"{stem}{i}"
+
+    def taken(self, name: str) -> None:
+        self.buckets.add(name)
 
 
 # ---- candidates --------------------------------------------------------------------------
@@ -222,22 +382,13 @@ def _member(program: Program, op: Launch, kind: str) -> Member | None:
     return Member(op.name, users[0], source.name, None, out.numel, inp.nbytes, out.shape)
 
 
-def _fresh_name(program: Program, kind: str) -> str:
-    stem = "ag_bucket" if kind == "gather" else "rs_bucket"
-    buckets = {op.bucket for op in program.ops() if isinstance(op, Launch)}
-    i = 0
-    while any(f"{stem}{i}{suffix}" in program.graph for suffix in ("", "_pack", "_wait")) or f"{stem}{i}" in buckets:
-        i += 1
-    return f"{stem}{i}"
-
-
 # ---- the rewrite -------------------------------------------------------------------------
 
-def merge(program: Program, members: list[Member], kind: str, name: str) -> list[str]:
+def merge(program: Program, members: list[Member], kind: str, name: str, rewriter=None) -> list[str]:
     """Replace `members` by one bucket named `name`; returns the created ops' names. Raises
-    RewriteError (the program is then half rewritten: work on a copy) where the bucket would
-    cross an effect edge."""
-    rewriter = Rewriter(program)
+    RewriteError where the bucket would cross an effect edge: check first with a `DryRun` as
+    the rewriter (which changes nothing), as the program is half rewritten when it raises."""
+    rewriter = rewriter or Rewriter(program)
     if kind == "gather":
         created = _merge_gathers(program, rewriter, members, name)
     else:
@@ -246,6 +397,97 @@ def merge(program: Program, members: list[Member], kind: str, name: str) -> list
         rewriter.erase(m.wait)
         rewriter.erase(m.launch)
     return created
+
+
+class DryRun:
+    """The rewriter's checks of a merge without the rewrite: what `merge` would create (`before`:
+    anchor -> [op], in order), hoist and erase, raising RewriteError where the rewriter would.
+
+    New ops sit just before an existing anchor, so an existing op is before a new one exactly
+    when it is before its anchor; a hoisted op sits before them all."""
+
+    def __init__(self, program: Program):
+        self.program = program
+        self.pos = program.schedule.index
+        self.anchor: dict[str, str] = {}           # new op -> the existing op it is created before
+        self.before: dict[str, list] = {}          # anchor -> [(op, payload)]
+        self.hoisted: dict[str, str] = {}          # op -> the anchor it moves before
+        self.erased: list[str] = []
+        self.ops: dict[str, object] = {}           # new op name -> op
+        self.readers: dict[str, set[str]] = {}     # new storage -> existing ops now reading it
+
+    def _at(self, name: str) -> float:
+        """A position to compare with an existing op's: a new or hoisted op's is just before its anchor."""
+        if name in self.anchor:
+            return self.pos(self.anchor[name]) - 0.5
+        if name in self.hoisted:
+            return self.pos(self.hoisted[name]) - 0.75
+        return self.pos(name)
+
+    def create(self, op, *, before: str, payload=None):
+        program = self.program
+        for operand in op.operands:
+            if operand not in self.anchor and operand not in program.graph:
+                raise RewriteError(f"create(%{op.name}): operand %{operand} is not defined")
+            if operand in self.anchor and self.pos(self.anchor[operand]) > self.pos(before):
+                raise RewriteError(f"create(%{op.name}): operand %{operand} is not scheduled before %{before}")
+            if operand not in self.anchor and self._at(operand) >= self.pos(before):
+                raise RewriteError(f"create(%{op.name}): operand %{operand} is not scheduled before %{before}")
+            if operand not in self.anchor:  # a read of existing storage after a free of it
+                root = storage_root(program, operand)
+                for a in storage_readers(program, root):
+                    if isinstance(program.op(a), Free) and _frees(program, a, root) and self._at(a) < self.pos(before):
+                        raise RewriteError(f"%{op.name} would read storage that %{a} frees before it")
+        self.anchor[op.name] = before
+        self.ops[op.name] = op
+        self.before.setdefault(before, []).append((op, payload))
+        return op
+
+    def hoist(self, name: str, *, before: str) -> None:
+        program = self.program
+        if not program.op(name).MOVABLE:
+            raise RewriteError(f"hoist(%{name}): {program.op(name).KIND} ops do not move")
+        if self.pos(name) < self.pos(before):
+            return
+        for p, e in program.graph.pred[name].items():
+            if self._at(p) >= self.pos(before):
+                raise RewriteError(f"hoist(%{name}) before %{before}: it follows %{p}")
+        self.hoisted[name] = before
+
+    def inherit(self, old: str, new: str, *, skip=frozenset()) -> None:
+        graph, at = self.program.graph, self._at(new)
+        for p, e in graph.pred[old].items():
+            if e["kind"] == EFFECT and p not in skip and p != new and self._at(p) >= at:
+                raise RewriteError(f"%{new} would run before %{p}, which %{old} follows ({e['why']})")
+        for s_, e in graph.succ[old].items():
+            if e["kind"] == EFFECT and s_ not in skip and s_ != new and self._at(s_) <= at:
+                raise RewriteError(f"%{new} would run after %{s_}, which follows %{old} ({e['why']})")
+
+    def replace_uses(self, old: str, new: str) -> None:
+        """The users of `old` read `new`: they come after it, and no free of `new`'s storage (a
+        free of any storage that now is `new`'s) comes before another of its readers."""
+        program = self.program
+        at = self._at(new)
+        for user in program.users(old):
+            if at >= self.pos(user):
+                raise RewriteError(f"replace_uses(%{old}, %{new}): %{new} is not scheduled before %{user}")
+        root = new
+        while root in self.ops and isinstance(self.ops[root], (View, Wait)) and self.ops[root].operands:
+            root = self.ops[root].operands[0]
+        readers = self.readers.setdefault(root, set())
+        readers |= storage_readers(program, old)
+        frees = [self.pos(a) for a in readers if isinstance(program.op(a), Free)]
+        reads = [self.pos(a) for a in readers if not isinstance(program.op(a), Free)]
+        if frees and reads and min(frees) < max(reads):
+            raise RewriteError(f"a reader of %{new} would follow a free of its storage")
+
+    def erase(self, name: str) -> None:
+        self.erased.append(name)
+
+
+def _frees(program: Program, name: str, root: str) -> bool:
+    op = program.op(name)
+    return bool(op.operands) and storage_root(program, op.operands[0]) == root
 
 
 def _merge_gathers(program: Program, rw: Rewriter, members: list[Member], name: str) -> list[str]:

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hypothesis import event, given, settings
+from hypothesis import event, example, given, settings
 from hypothesis import strategies as st
 
 import fxsched
@@ -214,3 +214,91 @@ def test_torchtitan_bucketed_step_is_bitwise_equal_on_two_ranks():
         assert r["gathers bucketed"] >= 2
         for a, b in zip(r["plain"], r["bucketed"], strict=True):
             assert a.dtype == b.dtype and torch.equal(a, b), f"rank {rank}: the bucketed step differs"
+
+
+def _reference_bucket(program, p: Bucket):
+    """What `bucket` makes when it merges on a copy and simulates the whole program per trial
+    (its algorithm before the incremental trials): {bucket: members}, and the final simulation."""
+    from fxsched.cost.model import CostAnalysis
+    from fxsched.passes.base import PassContext
+    from fxsched.passes.bucket import _Names, _runs, merge
+    from fxsched.passes.memory_cap import GIB as _GIB
+    from fxsched.passes.memory_cap import rewrite_cap
+
+    analysis = PassContext().get(CostAnalysis, program)
+    costs = dict(analysis.ms)
+    current = simulate(program, costs=costs)
+    cap = rewrite_cap(p.max_peak_gb, p.max_peak_increase_gb, current.peak_bytes, None)
+    inflight_cap = max(p.max_in_flight_gb * _GIB, current.max_inflight_bytes)
+    names, made = _Names(program), {}
+    for kind in [k for k, on in (("gather", p.gathers), ("reduce-scatter", p.reduce_scatters)) if on]:
+        for run in _runs(program, kind)[0]:
+            start = 0
+            while start < len(run):
+                members, best, end = [run[start]], None, start + 1
+                while end < len(run):
+                    trial_members = members + [run[end]]
+                    if sum(m.nbytes for m in trial_members) > p.max_bucket_mb * (1 << 20):
+                        break
+                    trial = program.copy()
+                    try:
+                        created = merge(trial, trial_members, kind, names.fresh(kind))
+                    except Exception:
+                        break
+                    trial_costs = dict(costs)
+                    trial_costs.update({n: analysis.model.op_ms(trial.op(n), trial) for n in created})
+                    sim = simulate(trial, costs=trial_costs)
+                    without = best[1] if best else current
+                    if sim.peak_bytes > cap or sim.max_inflight_bytes > inflight_cap \
+                            or not sim.step_ms < without.step_ms - p.min_saved_ms:
+                        break
+                    members, best = trial_members, (trial, sim, trial_costs)
+                    end += 1
+                if best is not None:
+                    trial, current, costs = best
+                    name = names.fresh(kind)
+                    names.taken(name)
+                    made[name] = [m.launch for m in members]
+                    program.graph, program.schedule, program.payload = trial.graph, trial.schedule, trial.payload
+                start = end
+    return made, current
+
+
+@settings(max_examples=25, deadline=None)
+@given(case=st.sampled_from(CASES), increase=st.sampled_from([0.0, 1e-5, 1e-4, 1.0]),
+       size_mb=st.sampled_from([0.002, 0.02, 256.0]), min_saved=st.sampled_from([0.0, 0.001]))
+def test_bucketing_makes_what_simulating_each_trial_makes(default_programs, case, increase, size_mb, min_saved):
+    """The incremental trials (a stretch of the schedule simulated, the peak from a live-bytes tree)
+    make the buckets that merging on a copy and simulating the whole program per trial makes."""
+    p = Bucket(max_peak_increase_gb=increase, max_bucket_mb=size_mb, min_saved_ms=min_saved)
+    reference_program = default_programs[case].copy()
+    made, reference = _reference_bucket(reference_program, p)
+    program = default_programs[case].copy()
+    stats = next(iter(PassManager([p]).run(program).stats().values()))
+    assert {name: b["members"] for name, b in stats["bought"].items()} == made
+    after = simulate(program)
+    assert after.peak_bytes == reference.peak_bytes
+    assert after.step_ms == pytest.approx(reference.step_ms, rel=1e-12)
+    assert program.schedule.names() == reference_program.schedule.names()
+    event(f"buckets: {'some' if made else 'none'}")
+
+
+@settings(max_examples=15, deadline=None)
+@given(layers=st.integers(1, 3), buckets=st.booleans(), mixed_precision=st.booleans(), barriers=st.booleans(),
+       reshard=st.booleans(), seed=st.integers(0, 2**16), extra=st.integers(0, 200),
+       increase_gb=st.sampled_from([0.0, 1e-5, 1.0]))
+@example(layers=3, buckets=False, mixed_precision=False, barriers=True, reshard=False, seed=0, extra=0,
+         increase_gb=0.0)  # a reduce-scatter waited before the next one launches: no bucket
+def test_generated_graphs_bucket_as_simulating_each_trial_does(layers, buckets, mixed_precision, barriers, reshard,
+                                                               seed, extra, increase_gb):
+    options = dict(layers=layers, buckets=buckets, mixed_precision=mixed_precision, barriers=barriers,
+                   reshard=reshard, seed=seed)
+    program = lower(generate_graph(min_nodes(**options) + extra, **options))
+    PassManager("default").run(program)
+    p = Bucket(max_peak_increase_gb=increase_gb)
+    reference_program = program.copy()
+    made, reference = _reference_bucket(reference_program, p)
+    stats = next(iter(PassManager([p]).run(program).stats().values()))
+    assert {name: b["members"] for name, b in stats["bought"].items()} == made
+    assert simulate(program).peak_bytes == reference.peak_bytes
+    assert program.schedule.names() == reference_program.schedule.names()

@@ -1,0 +1,96 @@
+"""Benchmark: the rewriting passes (`bucket`, `unshard`) after the default pipeline — their CPU
+time against the default pipeline's own, and what they buy (simulated step and peak).
+
+    .venv/bin/python bench/bench_rewrite.py [--sizes 10000 30000 100000] [--models] [--profile PASS]
+
+Per graph: the default pipeline runs once on the lowered program (CPU seconds, verify after each
+pass, as `fxsched.schedule` does); then each rewriting pass runs on its own copy of that result
+(CPU seconds of the pass alone, then the manager's verify after it). Generated graphs come from
+front/generate.py (as bench/bench_pipeline.py's); `--models` adds the built-in models (2 layers,
+widths 32 and 1024, world 2). `--profile PASS` prints a cProfile of that pass at each size.
+Goal (issue 17): each rewriting pass <= ~20% of the default pipeline's time at 100k nodes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import gc
+import io
+import json
+import pstats
+import time
+
+from fxsched.cost.simulate import simulate
+from fxsched.lowering import lower
+from fxsched.passes import DEFAULT_PIPELINE, PassManager, parse_pipeline
+
+REWRITES = {"bucket": "bucket", "unshard": "unshard{max-peak-increase-gb=1.0}"}
+
+
+def cpu(fn):
+    gc.collect()
+    start = time.process_time()
+    out = fn()
+    return time.process_time() - start, out
+
+
+def _program(gm):
+    return lower(gm)
+
+
+def measure(label: str, gm, rewrites: dict[str, str], profile: str | None) -> dict:
+    program = _program(gm)
+    t_default, _ = cpu(lambda: PassManager(DEFAULT_PIPELINE).run(program))
+    base = simulate(program)
+    row = {"graph": label, "ops": len(program.schedule), "default_s": round(t_default, 3),
+           "default_step_ms": round(base.step_ms, 4), "default_peak_mib": round(base.peak_bytes / 2**20, 3)}
+    for key, text in rewrites.items():
+        trial = program.copy()
+        (p,) = parse_pipeline(text)
+        manager = PassManager([p], verify_input=False)
+        if profile == key:
+            prof = cProfile.Profile()
+            prof.enable()
+        t, result = cpu(lambda: manager.run(trial))
+        if profile == key:
+            prof.disable()
+            out = io.StringIO()
+            pstats.Stats(prof, stream=out).sort_stats("cumulative").print_stats(25)
+            print(f"---- profile {key} on {label}\n{out.getvalue()}")
+        sim = simulate(trial)
+        stats = result.results[0][1].stats
+        row[key] = {"s": round(t, 3), "ratio": round(t / t_default, 3), "step_ms": round(sim.step_ms, 4),
+                    "peak_mib": round(sim.peak_bytes / 2**20, 3),
+                    "count": stats.get("buckets", stats.get("unsharded"))}
+    return row
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--sizes", type=int, nargs="*", default=[10_000, 30_000, 100_000])
+    parser.add_argument("--models", action="store_true")
+    parser.add_argument("--passes", nargs="+", default=list(REWRITES), choices=list(REWRITES))
+    parser.add_argument("--profile", choices=list(REWRITES))
+    args = parser.parse_args()
+    rewrites = {k: REWRITES[k] for k in args.passes}
+    rows = []
+    if args.models:
+        from fxsched.front import fsdp_joint_graph
+        from fxsched.models import MODELS, build_model
+        for name in sorted(MODELS):
+            for width in (32, 1024):
+                module, inputs, loss = build_model(name, layers=2, width=width, seed=1)
+                front = fsdp_joint_graph(module, inputs, lambda m, *xs: loss(m(*xs), *xs), 2)
+                rows.append(measure(f"{name} L2 w{width}", front.gm, rewrites, args.profile))
+                print(json.dumps(rows[-1]), flush=True)
+    from fxsched.front.generate import generate_graph
+    for size in args.sizes:
+        gm = generate_graph(size, seed=0)
+        rows.append(measure(f"generated {size}", gm, rewrites, args.profile))
+        print(json.dumps(rows[-1]), flush=True)
+        del gm
+
+
+if __name__ == "__main__":
+    main()
