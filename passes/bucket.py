@@ -28,6 +28,14 @@ higher), and the simulated peak memory within the cap (`max-peak-gb`, or the inp
 that could not join says why in the statistics and, when its launch has no reason yet, in its
 `hold`. Run it after the scheduling passes (`default,bucket`) so the cost model sees the final
 order.
+
+A trial rewrites nothing: a `DryRun` rewriter makes the rewriter's checks of the merge, the
+simulator's time rules run only over the stretch of the schedule the bucket changes (from its
+first member until the program runs as without it, only later: cost/simulate.py's `Sweep`),
+and its peak is its change to the live-bytes curve in a max tree. The bucket taken is merged
+once. This chooses what merging on a copy and simulating the whole program per trial chose
+(tests/test_pass_bucket.py checks it), at a cost per trial of the members and the stretch, not
+of the program; a bucket of K members is still tried K times over.
 """
 
 from __future__ import annotations
@@ -125,6 +133,7 @@ class Bucket(ModulePass):
                         reason = self.refusal(trial, best, cap, inflight_cap)
                         if reason is not None:
                             held[run[end].launch] = reason
+                            trials.show(best.live if best else ())
                             break
                         members, best = trial_members, trial
                         end += 1
@@ -211,21 +220,16 @@ class _Trials:
             if isinstance(op, Free) and op.operands:
                 self.first_free.setdefault(profile.root.get(op.operands[0], op.operands[0]), i)
         self.peak_without = self.tree.max(0, len(order))
+        self.cache: dict = {}
+        self.op_ms: dict = {}
+        self.shown: Counter = Counter()  # the changes of the trial the tree holds on top of the made buckets
+        self.scratch = Program()
 
     def evaluate(self, members: list[Member], kind: str, name: str) -> Trial:
         program, slot = self.program, self.slot
-        plan = DryRun(program)
+        plan = DryRun(program, self.cache)
         merge(program, members, kind, name, plan)  # raises RewriteError where it would
-        scratch = Program()
-        created = [op for ops in plan.before.values() for op, _ in ops]
-        for op in created:
-            for operand in op.operands:
-                if operand not in scratch.graph:
-                    scratch.graph.add_node(operand, op=program.op(operand) if operand in program.graph
-                                           else plan.ops[operand])
-            if op.name not in scratch.graph:
-                scratch.graph.add_node(op.name, op=op)
-        costs = {op.name: self.model.op_ms(op, scratch) for op in created}
+        costs = {name: self._cost(op, plan) for name, op in plan.ops.items()}
         skip = frozenset({n for m in members for n in (m.launch, m.wait)} | set(plan.hoisted))
         steps: dict[str, list] = {}
         for cast, anchor in plan.hoisted.items():
@@ -236,17 +240,37 @@ class _Trials:
         step_ms, _, inflight = self.sweep.trial(min(touched), max(touched), skip, steps)
         live = tuple(_live_changes(kind, plan, members, name, slot, self.profile, self.released,
                                    self.first_free))
-        tree, n = self.tree, len(slot)
-        for lo, hi, nbytes in live:
-            tree.add(lo, hi, nbytes)
-        peak = tree.max(0, n)
-        for lo, hi, nbytes in live:
-            tree.add(lo, hi, -nbytes)
-        return Trial(plan, costs, skip, steps, live, step_ms, peak, inflight)
+        self.show(live)
+        return Trial(plan, costs, skip, steps, live, step_ms, self.tree.max(0, len(slot)), inflight)
+
+    def show(self, live) -> None:
+        """Make the tree hold the made buckets and `live` (a trial's changes): only what differs
+        from the trial shown before is added or taken back (a growing bucket adds a member)."""
+        new = Counter(live)
+        for (lo, hi, nbytes), k in (new - self.shown).items():
+            self.tree.add(lo, hi, nbytes * k)
+        for (lo, hi, nbytes), k in (self.shown - new).items():
+            self.tree.add(lo, hi, -nbytes * k)
+        self.shown = new
+
+    def _cost(self, op, plan: DryRun) -> float:
+        """The cost model's price of a new op (the same op is priced once per run: a growing
+        bucket re-creates its members' copy-outs as they were)."""
+        operands = [plan.ops.get(o) or self.program.op(o) for o in op.operands]
+        key = (op, tuple(o.types for o in operands))  # what the model reads of the operands: their types
+        cost = self.op_ms.get(key)
+        if cost is None:
+            nodes = self.scratch.graph._node
+            for operand in operands:
+                nodes[operand.name] = {"op": operand}
+            nodes[op.name] = {"op": op}
+            cost = self.op_ms[key] = self.model.op_ms(op, self.scratch)
+        return cost
 
     def make(self, trial: Trial) -> None:
-        for lo, hi, nbytes in trial.live:
-            self.tree.add(lo, hi, nbytes)
+        """The bucket `trial` (the one shown) is made."""
+        self.show(trial.live)
+        self.shown = Counter()
         self.sweep.make(set(trial.skip), trial.steps)
         self.costs.update(trial.costs)
         self.peak_without = trial.peak_bytes
@@ -406,9 +430,12 @@ class DryRun:
     New ops sit just before an existing anchor, so an existing op is before a new one exactly
     when it is before its anchor; a hoisted op sits before them all."""
 
-    def __init__(self, program: Program):
+    def __init__(self, program: Program, cache: dict | None = None):
         self.program = program
         self.pos = program.schedule.index
+        # storage roots and readers of existing ops, shared by the trials of one run (the ops a
+        # trial reads are its members', which no other bucket of the run touches)
+        self.cache = {} if cache is None else cache
         self.anchor: dict[str, str] = {}           # new op -> the existing op it is created before
         self.before: dict[str, list] = {}          # anchor -> [(op, payload)]
         self.hoisted: dict[str, str] = {}          # op -> the anchor it moves before
@@ -434,9 +461,8 @@ class DryRun:
             if operand not in self.anchor and self._at(operand) >= self.pos(before):
                 raise RewriteError(f"create(%{op.name}): operand %{operand} is not scheduled before %{before}")
             if operand not in self.anchor:  # a read of existing storage after a free of it
-                root = storage_root(program, operand)
-                for a in storage_readers(program, root):
-                    if isinstance(program.op(a), Free) and _frees(program, a, root) and self._at(a) < self.pos(before):
+                for a in self._frees_of(operand):
+                    if self._at(a) < self.pos(before):
                         raise RewriteError(f"%{op.name} would read storage that %{a} frees before it")
         self.anchor[op.name] = before
         self.ops[op.name] = op
@@ -449,17 +475,17 @@ class DryRun:
             raise RewriteError(f"hoist(%{name}): {program.op(name).KIND} ops do not move")
         if self.pos(name) < self.pos(before):
             return
-        for p, e in program.graph.pred[name].items():
+        for p, e in program.graph._pred[name].items():
             if self._at(p) >= self.pos(before):
                 raise RewriteError(f"hoist(%{name}) before %{before}: it follows %{p}")
         self.hoisted[name] = before
 
     def inherit(self, old: str, new: str, *, skip=frozenset()) -> None:
         graph, at = self.program.graph, self._at(new)
-        for p, e in graph.pred[old].items():
+        for p, e in graph._pred[old].items():
             if e["kind"] == EFFECT and p not in skip and p != new and self._at(p) >= at:
                 raise RewriteError(f"%{new} would run before %{p}, which %{old} follows ({e['why']})")
-        for s_, e in graph.succ[old].items():
+        for s_, e in graph._succ[old].items():
             if e["kind"] == EFFECT and s_ not in skip and s_ != new and self._at(s_) <= at:
                 raise RewriteError(f"%{new} would run after %{s_}, which follows %{old} ({e['why']})")
 
@@ -475,7 +501,7 @@ class DryRun:
         while root in self.ops and isinstance(self.ops[root], (View, Wait)) and self.ops[root].operands:
             root = self.ops[root].operands[0]
         readers = self.readers.setdefault(root, set())
-        readers |= storage_readers(program, old)
+        readers |= self._readers(old)
         frees = [self.pos(a) for a in readers if isinstance(program.op(a), Free)]
         reads = [self.pos(a) for a in readers if not isinstance(program.op(a), Free)]
         if frees and reads and min(frees) < max(reads):
@@ -483,6 +509,22 @@ class DryRun:
 
     def erase(self, name: str) -> None:
         self.erased.append(name)
+
+    def _readers(self, name: str) -> set[str]:
+        key = ("readers", name)
+        if key not in self.cache:
+            self.cache[key] = storage_readers(self.program, name)
+        return self.cache[key]
+
+    def _frees_of(self, name: str) -> list[str]:
+        """The frees of `name`'s storage."""
+        key = ("frees", name)
+        if key not in self.cache:
+            program = self.program
+            root = storage_root(program, name)
+            self.cache[key] = [a for a in storage_readers(program, root)
+                               if isinstance(program.op(a), Free) and _frees(program, a, root)]
+        return self.cache[key]
 
 
 def _frees(program: Program, name: str, root: str) -> bool:
