@@ -20,6 +20,13 @@ or without one the input's peak; its own options only tighten a joint cap), and,
 the simulated step by that much. Every candidate not taken says why in the
 statistics and, when its launch has no reason yet, in its `hold`. Run it after the
 scheduling passes (`default,unshard{...}`), so the cap is checked on the final order.
+
+The cap is checked on a max tree of the live bytes at each op, to which a candidate adds its
+change (its replica lives on, the re-gather's buffer and cast are gone): O(log N) per candidate,
+the same choices as simulating the unsharded program per candidate. What each unsharded
+parameter saved (`bought`) is its saving with those before it in the schedule unsharded too,
+from one sweep (cost/simulate.py's `Sweep`); the savings add up to the step's change. With
+`min-saved-ms`, each candidate is simulated whole, on a copy (for small graphs).
 """
 
 from __future__ import annotations
