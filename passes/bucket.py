@@ -45,7 +45,7 @@ from collections import Counter
 
 import attrs
 
-from ..cost.model import CostAnalysis
+from ..cost.model import CostAnalysis, Roofline, is_zero_cost
 from ..cost.simulate import MemoryProfile, Sweep, alloc_bytes, memory_profile, simulate, step_of, steps_of
 from ..ir import DATA, EFFECT, Cast, Compute, CopyOut, Free, Launch, Phase, Program, Role, TensorType, View, Wait, holds
 from ..ir.effects import storage_readers, storage_root
@@ -256,6 +256,8 @@ class _Trials:
     def _cost(self, op, plan: DryRun) -> float:
         """The cost model's price of a new op (the same op is priced once per run: a growing
         bucket re-creates its members' copy-outs as they were)."""
+        if is_zero_cost(op) and type(self.model) is Roofline:  # views and waits: most new ops
+            return 0.0
         operands = [plan.ops.get(o) or self.program.op(o) for o in op.operands]
         key = (op, tuple(o.types for o in operands))  # what the model reads of the operands: their types
         cost = self.op_ms.get(key)
