@@ -41,6 +41,7 @@ of the program; a bucket of K members is still tried K times over.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections import Counter
 
 import attrs
@@ -443,7 +444,7 @@ class DryRun:
         self.hoisted: dict[str, str] = {}          # op -> the anchor it moves before
         self.erased: list[str] = []
         self.ops: dict[str, object] = {}           # new op name -> op
-        self.readers: dict[str, set[str]] = {}     # new storage -> existing ops now reading it
+        self.readers: dict[str, tuple] = {}        # new storage -> (first free, last other read) of it
 
     def _at(self, name: str) -> float:
         """A position to compare with an existing op's: a new or hoisted op's is just before its anchor."""
@@ -496,17 +497,23 @@ class DryRun:
         free of any storage that now is `new`'s) comes before another of its readers."""
         program = self.program
         at = self._at(new)
-        for user in program.users(old):
+        key = ("users", old)
+        if key not in self.cache:
+            self.cache[key] = program.users(old)
+        for user in self.cache[key]:
             if at >= self.pos(user):
                 raise RewriteError(f"replace_uses(%{old}, %{new}): %{new} is not scheduled before %{user}")
         root = new
         while root in self.ops and isinstance(self.ops[root], (View, Wait)) and self.ops[root].operands:
             root = self.ops[root].operands[0]
-        readers = self.readers.setdefault(root, set())
-        readers |= self._readers(old)
-        frees = [self.pos(a) for a in readers if isinstance(program.op(a), Free)]
-        reads = [self.pos(a) for a in readers if not isinstance(program.op(a), Free)]
-        if frees and reads and min(frees) < max(reads):
+        first_free, last_read = self.readers.get(root, (math.inf, -math.inf))
+        for a in self._readers(old):
+            if isinstance(program.op(a), Free):
+                first_free = min(first_free, self.pos(a))
+            else:
+                last_read = max(last_read, self.pos(a))
+        self.readers[root] = (first_free, last_read)
+        if first_free < last_read:
             raise RewriteError(f"a reader of %{new} would follow a free of its storage")
 
     def erase(self, name: str) -> None:
@@ -560,7 +567,8 @@ def _merge_gathers(program: Program, rw: Rewriter, members: list[Member], name: 
     grid = rw.create(View(name=f"{name}_grid", operands=(wait.name,), phase=wait_op.phase, target="aten.view.default",
                           types=(TensorType(dtype, (ranks, total)),)),
                      before=here, payload=Call("aten.view.default", (Operand(0), [ranks, total])))
-    created = [*(f for f in flats if f not in {m.source for m in members}), pack.name, launch.name, wait.name,
+    sources = {m.source for m in members}
+    created = [*(f for f in flats if f not in sources), pack.name, launch.name, wait.name,
                grid.name]
     offset = 0
     for i, m in enumerate(members):
