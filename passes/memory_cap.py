@@ -181,9 +181,6 @@ class Headroom:
         at = self.at.get(name)
         return self._pos[name] if at is None else at
 
-    def fits(self, lo: int, hi: int, nbytes: int) -> bool:
-        return nbytes <= 0 or lo >= hi or self.tree.max(lo, hi) + nbytes <= self.limit
-
     def earlier(self, names, target: str) -> Move | None:
         """`names` (a launch chain) moving up to just before `target`: each one's result is live
         from target's slot on instead of from its own. The move if it fits, else None."""
@@ -259,7 +256,7 @@ class Move:
     ranges: list[tuple[int, int, int]]   # (lo, hi, bytes added over [lo, hi))
     to: int
     released: dict[str, int] = attrs.Factory(dict)   # storage -> its new release slot
-    _old: dict | None = None
+    _old: tuple | None = None   # (slots, release slots) before take
 
     def take(self) -> None:
         room = self.room
