@@ -26,12 +26,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import multiprocessing
 import os
 import pickle
 import platform
 import sys
-import tempfile
 import time
 import traceback
 from contextlib import contextmanager, nullcontext
@@ -44,6 +42,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import fxsched  # noqa: E402
 from fxsched.cost import Roofline, format_bytes, hardware, op_costs, simulate  # noqa: E402
 from fxsched.lowering import lower  # noqa: E402
+
+from bench_schedules import run_forked  # noqa: E402
 
 OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "out")
 CANDIDATES = ("default", "default,bucket", "default,unshard", "default,bucket,unshard", "default,unshard,bucket")
@@ -156,26 +156,7 @@ def _child(graphs, pipeline, model, path):
 
 
 def run_candidate(graphs, pipeline, model, timeout) -> dict[str, Any]:
-    fd, path = tempfile.mkstemp(suffix=".pkl")
-    os.close(fd)
-    child = multiprocessing.get_context("fork").Process(target=_child, args=(graphs, pipeline, model, path))
-    start = time.perf_counter()
-    child.start()
-    child.join(timeout)
-    try:
-        if child.is_alive():
-            child.kill()
-            child.join()
-            return {"skipped": f"over {timeout:.0f} s"}
-        if child.exitcode != 0:
-            return {"skipped": f"child exited with {child.exitcode} after {time.perf_counter() - start:.0f} s"}
-        with open(path, "rb") as f:
-            result = pickle.load(f)
-        if "error" in result:
-            return {"skipped": "error: " + result["error"].strip().splitlines()[-1]}
-        return result
-    finally:
-        os.unlink(path)
+    return run_forked(_child, (graphs, pipeline, model), timeout)
 
 
 def input_balance(graphs, model) -> dict[str, float]:

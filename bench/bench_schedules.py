@@ -251,12 +251,13 @@ def _inductor_child(gm, costs, model, options, original_names, path):
             pickle.dump({"error": traceback.format_exc(limit=4)}, f)
 
 
-def run_peer_forked(gm, costs, model, options, timeout: float) -> dict[str, Any]:
-    original_names = {n.name for n in gm.graph.nodes}
+def run_forked(target, args: tuple, timeout: float) -> dict[str, Any]:
+    """`target(*args, path)` in a forked child that pickles its result dict to `path` (or
+    {"error": traceback}): the result, or {"skipped": why} when it ran over `timeout` seconds,
+    died, or raised (then with its "traceback")."""
     fd, path = tempfile.mkstemp(suffix=".pkl")
     os.close(fd)
-    ctx = multiprocessing.get_context("fork")
-    child = ctx.Process(target=_inductor_child, args=(gm, costs, model, options, original_names, path))
+    child = multiprocessing.get_context("fork").Process(target=target, args=(*args, path))
     start = time.perf_counter()
     child.start()
     child.join(timeout)
@@ -264,7 +265,7 @@ def run_peer_forked(gm, costs, model, options, timeout: float) -> dict[str, Any]
         if child.is_alive():
             child.kill()
             child.join()
-            return {"skipped": f"timeout after {timeout:.0f} s"}
+            return {"skipped": f"over {timeout:.0f} s"}
         if child.exitcode != 0:
             return {"skipped": f"child exited with {child.exitcode} after {time.perf_counter() - start:.0f} s"}
         with open(path, "rb") as f:
@@ -274,6 +275,11 @@ def run_peer_forked(gm, costs, model, options, timeout: float) -> dict[str, Any]
         return result
     finally:
         os.unlink(path)
+
+
+def run_peer_forked(gm, costs, model, options, timeout: float) -> dict[str, Any]:
+    original_names = {n.name for n in gm.graph.nodes}
+    return run_forked(_inductor_child, (gm, costs, model, options, original_names), timeout)
 
 
 # ---- one workload ------------------------------------------------------------------------
