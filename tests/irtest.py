@@ -34,6 +34,25 @@ STACK_AFTER_A_BARRIER = """\
 """
 
 
+def joint(forward: int, backward: int) -> str:
+    """`forward` gathers a1.. each read by one matmul m1.., then `backward` re-gathers b_n..b1
+    read by n_n..n1 (all 100 bytes)."""
+    lines = ["%x = input", *(f"%w{i} = input" for i in range(1, max(forward, backward) + 1)), "^entry"]
+    prev = "%x"
+    for i in range(1, forward + 1):
+        lines += [f'%a{i} = launch "ag"(%w{i}) {{role = fsdp_all_gather, nbytes = 100, params = ["w{i}"]}}',
+                  f"%t{i} = wait(%a{i})", f'%m{i} = compute "aten.mm"({prev}, %t{i}) {{heavy}}']
+        prev = f"%m{i}"
+    if backward:
+        lines.append("^backward")
+    for i in range(backward, 0, -1):
+        lines += [f'%b{i} = launch "ag"(%w{i}) {{role = fsdp_all_gather_backward, nbytes = 100, params = ["w{i}"]}}',
+                  f"%u{i} = wait(%b{i})", f'%n{i} = compute "aten.mm"({prev}, %u{i}) {{heavy}}']
+        prev = f"%n{i}"
+    lines.append(f"%output = output({prev})")
+    return "\n".join(lines) + "\n"
+
+
 def dedent(text: str) -> str:
     return textwrap.dedent(text).lstrip("\n")
 

@@ -7,26 +7,9 @@ from __future__ import annotations
 
 import pytest
 
-from irtest import dedent, run
+from irtest import dedent, joint, run
 from fxsched.ir import parse_program, print_program, verify
 from fxsched.passes import PassContext, PassManager, parse_pipeline
-
-
-def joint(forward: int, backward: int) -> str:
-    lines = ["%x = input", *(f"%w{i} = input" for i in range(1, max(forward, backward) + 1)), "^entry"]
-    prev = "%x"
-    for i in range(1, forward + 1):
-        lines += [f'%a{i} = launch "ag"(%w{i}) {{role = fsdp_all_gather, nbytes = 100, params = ["w{i}"]}}',
-                  f"%t{i} = wait(%a{i})", f'%m{i} = compute "aten.mm"({prev}, %t{i}) {{heavy}}']
-        prev = f"%m{i}"
-    if backward:
-        lines.append("^backward")
-    for i in range(backward, 0, -1):
-        lines += [f'%b{i} = launch "ag"(%w{i}) {{role = fsdp_all_gather_backward, nbytes = 100, params = ["w{i}"]}}',
-                  f"%u{i} = wait(%b{i})", f'%n{i} = compute "aten.mm"({prev}, %u{i}) {{heavy}}']
-        prev = f"%n{i}"
-    lines.append(f"%output = output({prev})")
-    return "\n".join(lines) + "\n"
 
 
 def order(program) -> list[str]:
