@@ -22,7 +22,7 @@ from ..ir import Program, print_program, verify, verify_moves
 from ..ir.errors import InputError, InternalError
 from .pipelines import PIPELINES
 from .base import PASSES, ModulePass, PassContext, PassResult, _format
-from .memory_cap import check_peak
+from .memory_cap import MemoryAnalysis, MemoryCap, check_peak
 from .plugins import load_entry_points
 
 
@@ -205,6 +205,12 @@ def _size(program: Program) -> tuple[int, int]:
     return program.size()
 
 
+def _assign(program: Program, other: Program) -> None:
+    """Make `program` hold `other`'s state (the caller's object stays the one it scheduled)."""
+    program.graph, program.schedule, program.notes = other.graph, other.schedule, other.notes
+    program.payload, program.origin = other.payload, other.origin
+
+
 def _first_difference(kept, fresh) -> str:
     """Which field of two analyses differs, for the message."""
     if attrs.has(type(kept)) and type(kept) is type(fresh):
@@ -249,16 +255,21 @@ class PassManager:
         ctx.begin(program)
         if self.verify_each and self.verify_input:  # an invalid input is the input's fault: say so before a pass trips on it
             verify(program)
+        return PipelineResult(self._run_from(0, program, ctx, [], {}))
+
+    def _run_from(self, start: int, program: Program, ctx: PassContext, moves_only: list[int],
+                  texts: dict[int, str]) -> list[tuple[ModulePass, PassResult]]:
+        """Run the passes from `start` on; `moves_only`: the passes since the last full check,
+        checked at the moved nodes only; `texts`: with `reproducer`, the text before each of them."""
         results = []
-        moves_only: list[int] = []  # passes since the last full check, checked at the moved nodes only
-        texts: dict[int, str] = {}  # with `reproducer`: the text before each pass since the last full check
 
         def failure(i: int, exc: BaseException, where: str, failed: int | None = None) -> PassFailure:
             last = i if failed is None else failed
             return PassFailure(self.passes[last], self.passes[:last], exc, where, ir_before=texts.get(i),
                                remaining=self.passes[i:])
 
-        for i, p in enumerate(self.passes):
+        for i in range(start, len(self.passes)):
+            p = self.passes[i]
             if self.reproducer:
                 if not moves_only:
                     texts.clear()
@@ -299,6 +310,8 @@ class PassManager:
                     raise failure(i, exc, "kept a stale analysis") from exc
             for inst in self.instruments:
                 inst.after(p, program, result)
+            if isinstance(p, MemoryCap) and p.try_unchecked and i + 1 < len(self.passes):
+                return results + self._final_peak_first(i, result, program, ctx, moves_only, texts)
             results.append((p, result))
         if moves_only:  # the whole order once more, against every rule
             try:
@@ -308,7 +321,37 @@ class PassManager:
                 names = ",".join(str(self.passes[j]) for j in moves_only)
                 # rerun from the first of them: the IR before it is the last one known valid
                 raise failure(moves_only[0], exc, f"(or one of {names}) left an invalid program", last) from exc
-        return PipelineResult(results)
+        return results
+
+    def _final_peak_first(self, i: int, result: PassResult, program: Program, ctx: PassContext,
+                          moves_only: list[int], texts: dict[int, str]) -> list[tuple[ModulePass, PassResult]]:
+        """The passes after `memory-cap` (pass i): first with their moves unchecked, kept when the
+        final peak is within the cap; else again from where memory-cap left the program, with
+        every move checked (`passes/memory_cap.py`, "Final peak first")."""
+        cap = ctx.peak_cap
+        before, planned = program.copy(), ctx.planned
+        ctx.peak_cap = attrs.evolve(cap, checks_moves=False)
+        rest = self._run_from(i + 1, program, ctx, list(moves_only), dict(texts))
+        unchecked = ctx.get(MemoryAnalysis, program).profile.peak_bytes
+        if ctx.peak_cap is not None and not ctx.peak_cap.checks_moves:  # (else a later memory-cap's is in force)
+            ctx.peak_cap = cap
+        kept = lambda how: [(self.passes[i], PassResult(result.changed, dict(  # noqa: E731
+            result.stats, unchecked_peak_bytes=unchecked, kept=how)))]
+        if unchecked <= cap.limit_bytes:
+            return kept("unchecked") + rest
+        tried = Program(program.graph, program.schedule, program.notes, program.payload, program.origin)
+        tried_state = ctx.planned, ctx.peak_cap
+        _assign(program, before)
+        ctx.keep_only(())
+        ctx.planned, ctx.peak_cap = planned, cap
+        checked = self._run_from(i + 1, program, ctx, moves_only, texts)
+        if ctx.get(MemoryAnalysis, program).profile.peak_bytes > unchecked:
+            # both over the cap (an input already over it): the lower peak is the nearer
+            _assign(program, tried)
+            ctx.keep_only(())
+            ctx.planned, ctx.peak_cap = tried_state
+            return kept("unchecked") + rest
+        return kept("checked") + checked
 
     @staticmethod
     def _check_analyses(ctx: PassContext, program: Program) -> None:

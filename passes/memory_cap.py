@@ -24,6 +24,16 @@ A move or rewrite that would go over the cap is held, with the hold reason `over
 program while a cap is in force, and fails (naming the pass) if it is over the cap and over
 the peak the program had when the cap was set (an input already over the cap is a note, not an
 error: passes then only hold back what would raise the peak further where it is over).
+
+**Final peak first** (`try-unchecked`, on by default): a pass mid-pipeline sees the memory of
+the order as it is then, before later passes (sink, overlap-reduce-scatter) lower it, so a
+checked move can be held that the final schedule would fit. So the PassManager first runs the
+passes after `memory-cap` with their moves unchecked (`PeakCap.checks_moves` False: `headroom`
+gives None and no pass's result is checked; rewrites still check the cap exactly, as they see
+the whole program) and keeps that result when its final simulated peak is within the cap:
+then the capped schedule is the uncapped one wherever that fits, and no move is held for the
+cap. Otherwise it restores the program as `memory-cap` left it and runs them again with every
+move checked (keeping the first result only when both end over the cap and it is the lower).
 """
 
 from __future__ import annotations
@@ -61,6 +71,9 @@ class PeakCap:
     limit_bytes: float
     set_at_bytes: int
     given_by: str   # the memory-cap pass's text, for messages
+    # False while the manager tries the passes after memory-cap with their moves unchecked (the
+    # final peak decides); rewrites check the cap either way
+    checks_moves: bool = True
 
 
 def resolve_cap(max_peak_gb: float, max_peak_increase_gb: float, peak_bytes: int) -> float:
@@ -100,6 +113,9 @@ class MemoryCap(ModulePass):
                                      "(0: none; the peak here plus max-peak-increase-gb applies)")
     max_peak_increase_gb: float = option(0.0, "how far, in GiB, later passes may raise the simulated peak over "
                                               "its value here (with max-peak-gb too: the smaller cap wins)")
+    try_unchecked: bool = option(True, "run the later passes first with their moves unchecked against the cap "
+                                       "(rewrites still check it) and keep that result when its final peak fits; "
+                                       "only otherwise run them again with every move checked")
 
     def __post_init__(self):
         check_budget(self.name, "max-peak-gb", self.max_peak_gb)
@@ -130,7 +146,7 @@ def over_cap(ctx: PassContext | None, trial: Program) -> bool:
 def check_peak(ctx: PassContext, program: Program) -> str | None:
     """What is wrong with `program`'s simulated peak under the cap in force (None: nothing)."""
     cap = getattr(ctx, "peak_cap", None)
-    if cap is None:
+    if cap is None or not cap.checks_moves:   # the final peak decides (`try-unchecked`)
         return None
     profile = ctx.get(MemoryAnalysis, program).profile
     if profile.peak_bytes > max(cap.limit_bytes, cap.set_at_bytes):
@@ -141,11 +157,12 @@ def check_peak(ctx: PassContext, program: Program) -> str | None:
 
 def headroom(ctx: PassContext, program: Program, schedule: Schedule | None = None) -> Headroom | None:
     """The incremental check over the order the pass moves ops on: `schedule` (the program's
-    own, unless the pass plans on a fresh copy of it), as it is now (None: no cap in force)."""
-    limit = cap_bytes(ctx)
-    if limit is None:
+    own, unless the pass plans on a fresh copy of it), as it is now (None: no cap in force, or
+    moves unchecked while the manager tries the final peak first)."""
+    cap = getattr(ctx, "peak_cap", None)
+    if cap is None or not cap.checks_moves:
         return None
-    return Headroom(program, ctx.get(MemoryAnalysis, program).profile, limit, schedule)
+    return Headroom(program, ctx.get(MemoryAnalysis, program).profile, cap.limit_bytes, schedule)
 
 
 class Headroom:

@@ -13,6 +13,7 @@ import math
 
 import attrs
 import pytest
+import torch
 from hypothesis import example, given, note
 from hypothesis import strategies as st
 
@@ -32,7 +33,9 @@ from fxsched.passes.placement import plan
 from fxsched.passes.manager import PeakCapExceeded
 from fxsched.passes.memory_cap import MemoryCap, cap_bytes, over_cap, resolve_cap, with_cap
 
-from ranks import GIB
+from fxsched.runtime import run_ranks
+
+from ranks import GIB, WORLD, check_bitwise, rank_feeds, run_all
 from test_properties import _graph, examples, graph_options, ir_programs, pipelines
 
 
@@ -169,6 +172,90 @@ def test_a_cap_at_the_uncapped_peak_changes_nothing(gpt):
     assert all(op.hold != OVER_PEAK_CAP for op in capped.ops() if isinstance(op, Launch))
 
 
+def _model(name, width, mp):
+    module, inputs, model_loss = build_model(name, layers=2, width=width, seed=1)
+    return lower(fsdp_joint_graph(module, inputs, lambda m, *xs: model_loss(m(*xs), *xs), 2,
+                                  mixed_precision=mp).gm)
+
+
+@pytest.mark.parametrize("name, width, where", [
+    ("llama", 1024, "input"),     # the uncapped schedule lowers the input's peak: 1.4888 -> 1.3652 ms
+    ("gpt", 32, "uncapped"),      # it raises it, and the cap is its peak: 0.8573 -> 0.8453 ms
+    ("encoder", 32, "uncapped"),  # 0.8312 -> 0.8252 ms
+])
+def test_a_cap_the_uncapped_schedule_fits_gives_the_uncapped_schedule(name, width, where):
+    # Moves checked mid-pipeline see the memory of the order before sink and overlap-reduce-scatter
+    # lower it, and hold some the final schedule fits; the manager runs the passes with their moves
+    # unchecked first and keeps that result when its final peak fits, so nothing is held for the cap
+    program = _model(name, width, torch.bfloat16)
+    free = program.copy()
+    PassManager("default").run(free)
+    input_peak, free_peak = memory_profile(program).peak_bytes, memory_profile(free).peak_bytes
+    assert (free_peak < input_peak) == (where == "input")
+    cap = max(free_peak, input_peak)
+    text = f"memory-cap{{max-peak-gb={cap / GIB!r}}},default"
+    capped = program.copy()
+    result, ctx = _run(capped, text)
+    assert capped.schedule == free.schedule and simulate(capped).step_ms == simulate(free).step_ms
+    assert not any(op.hold == OVER_PEAK_CAP for op in capped.ops() if isinstance(op, Launch))
+    stats = result.stats()[text.split(",")[0]]
+    assert stats["kept"] == "unchecked" and stats["unchecked_peak_bytes"] == free_peak
+    assert cap_bytes(ctx) == pytest.approx(cap, abs=1)   # the cap stays in force for the report
+    # every move checked mid-pipeline, the same cap costs step time (what this fixes)
+    checked = program.copy()
+    _run(checked, text.replace("}", ",try-unchecked=false}", 1))
+    assert memory_profile(checked).peak_bytes <= cap
+    assert simulate(checked).step_ms > simulate(free).step_ms
+
+
+def test_when_the_uncapped_schedule_does_not_fit_every_move_is_checked(gpt):
+    # the unchecked run ends over the cap: the program is restored as memory-cap left it and the
+    # passes run again, exactly as with try-unchecked=false (nothing of the first run leaks)
+    peak = memory_profile(gpt).peak_bytes
+    program = gpt.copy()
+    result, ctx = _run(program, "memory-cap,default")
+    stats = result.stats()["memory-cap"]
+    assert stats["kept"] == "checked" and stats["unchecked_peak_bytes"] > peak
+    assert memory_profile(program).peak_bytes <= peak
+    only_checked = gpt.copy()
+    _, ctx2 = _run(only_checked, "memory-cap{try-unchecked=false},default")
+    assert program.schedule == only_checked.schedule and program.notes == only_checked.notes
+    assert list(program.ops()) == list(only_checked.ops())   # the same ops: anchors, holds
+    assert ctx.planned == ctx2.planned and ctx.peak_cap.limit_bytes == ctx2.peak_cap.limit_bytes and ctx.peak_cap.checks_moves
+
+
+@pytest.fixture(scope="module")
+def kept_unchecked():
+    """gpt, llama, encoder (f32, bf16) under `default,bucket,unshard` capped 10% over the uncapped
+    `default`'s peak: the run with moves unchecked fits and is kept, and the rewrites fill the cap."""
+    cases = {}
+    for name in ("encoder", "gpt", "llama"):
+        for mp in (None, torch.bfloat16):
+            module, inputs, model_loss = build_model(name, layers=2, width=32, seed=1)
+            front = fsdp_joint_graph(module, inputs, lambda m, *xs: model_loss(m(*xs), *xs), WORLD,
+                                     mixed_precision=mp)
+            cap = 1.1 * simulate(fxsched.schedule(front.gm, "default").program).peak_bytes
+            done = fxsched.schedule(front.gm, "default,bucket,unshard", max_peak_gb=cap / GIB)
+            cases[(name, mp)] = (front, done, cap, rank_feeds(front, module, inputs))
+    return cases
+
+
+def test_the_kept_unchecked_run_rewrites_within_the_cap(kept_unchecked):
+    for front, done, cap, _ in kept_unchecked.values():
+        stats = next(v for k, v in done.result.stats().items() if k.startswith("memory-cap"))
+        assert stats["kept"] == "unchecked"
+        assert simulate(done.program).peak_bytes <= cap and done.gap["bought"]
+        assert simulate(lower(done.graph_module)).peak_bytes <= cap
+
+
+@pytest.mark.multirank
+def test_the_kept_unchecked_run_is_bitwise_equal_on_two_ranks(kept_unchecked):
+    jobs = []
+    for front, done, _, feeds in kept_unchecked.values():
+        jobs += [(front.gm, feeds), (done.graph_module, feeds)]
+    check_bitwise(run_ranks(run_all, WORLD, args=(jobs,), timeout=600), list(kept_unchecked), "capped schedule")
+
+
 def test_no_cap_no_check(gpt):
     _, ctx = _run(gpt.copy(), "default")
     assert ctx.peak_cap is None and cap_bytes(ctx) is None
@@ -190,6 +277,11 @@ def test_an_input_over_the_cap_is_a_note_and_nothing_rises(gpt):
     result, ctx = _run(program, f"memory-cap{{max-peak-gb={peak / 2 / GIB!r}}},default")
     assert any("over the cap" in n for n in program.notes)
     assert memory_profile(program).peak_bytes <= peak
+    # both runs (moves unchecked, then checked) end over the cap: the lower peak is kept
+    stats = next(v for k, v in result.stats().items() if k.startswith("memory-cap"))
+    checked = gpt.copy()
+    _run(checked, f"memory-cap{{max-peak-gb={peak / 2 / GIB!r},try-unchecked=false}},default")
+    assert memory_profile(program).peak_bytes == min(stats["unchecked_peak_bytes"], memory_profile(checked).peak_bytes)
 
 
 def test_unshard_takes_the_joint_cap_and_its_own_options_only_tighten_it():
@@ -273,4 +365,4 @@ def test_bad_cap_values_in_pipeline_text_are_pipeline_errors(raw):
 
 
 def test_memory_cap_is_registered_with_its_options():
-    assert set(PASSES["memory-cap"].options()) == {"max-peak-gb", "max-peak-increase-gb"}
+    assert set(PASSES["memory-cap"].options()) == {"max-peak-gb", "max-peak-increase-gb", "try-unchecked"}
