@@ -78,4 +78,5 @@ OVER_PEAK_CAP = register_hold("over peak cap", "moving or rewriting it (bucketin
 SAVES_TOO_LITTLE = register_hold("saves too little", "rewriting it (joining a bucket, or reading the forward "
                                                      "replica instead of re-gathering it) would not shorten the "
                                                      "simulated step enough: by more than bucket's min-saved-ms "
-                                                     "(so at all, when it is 0), by at least unshard's")
+                                                     "(so at all, when it is 0), by at least unshard's (at all, "
+                                                     "when it is 0)")

@@ -15,18 +15,20 @@ Candidates go best first — the most exposed communication per byte held, then 
 communication per byte — and each is taken only if the program's simulated peak memory with
 it stays within the cap: `max-peak-gb` when set, else the input's simulated peak plus
 `max-peak-increase-gb` (both set: the smaller; neither: the joint cap of a `memory-cap` before it,
-or without one the input's peak; its own options only tighten a joint cap), and, with
-`min-saved-ms`, only if it shortens
-the simulated step by that much. Every candidate not taken says why in the
-statistics and, when its launch has no reason yet, in its `hold`. Run it after the
+or without one the input's peak; its own options only tighten a joint cap), and only if it
+shortens the simulated step (by `min-saved-ms` when set; else at all: a re-gather already
+hidden would hold its replica for no time, `saves too little`). Every candidate not taken says
+why in the statistics and, when its launch has no reason yet, in its `hold`. Run it after the
 scheduling passes (`default,unshard{...}`), so the cap is checked on the final order.
 
 The cap is checked on a max tree of the live bytes at each op, to which a candidate adds its
 change (its replica lives on, the re-gather's buffer and cast are gone): O(log N) per candidate,
-the same choices as simulating the unsharded program per candidate. What each unsharded
-parameter saved (`bought`) is its saving with those before it in the schedule unsharded too,
-from one sweep (cost/simulate.py's `Sweep`); the savings add up to the step's change. With
-`min-saved-ms`, each candidate is simulated whole, on a copy (for small graphs).
+the same choices as simulating the unsharded program per candidate. Those that fit are then run
+in schedule order in one sweep (cost/simulate.py's `Sweep`): each one's saving is with those
+before it in the schedule unsharded too, one that saves nothing is dropped (what it would have
+held only lowers the curve; a candidate the cap refused is not tried again), and the savings of
+those taken (`bought`) add up to the step's change. With `min-saved-ms`, each candidate is
+simulated whole, on a copy (for small graphs).
 """
 
 from __future__ import annotations
@@ -73,8 +75,8 @@ class Unshard(ModulePass):
     max_peak_increase_gb: float = option(0.0, "how far, in GiB, the simulated peak may rise over the input's "
                                               "(used when max-peak-gb is 0, or with it: the smaller cap wins)")
     min_saved_ms: float = option(0.0, "take a candidate only if it shortens the simulated step by at least "
-                                      "this many ms (0: every candidate that fits the cap; a hidden "
-                                      "re-gather then costs memory for no time)")
+                                      "this many ms (0: every candidate that fits the cap and shortens the "
+                                      "step at all)")
 
     def __post_init__(self):
         check_budget(self.name, "max-peak-gb", self.max_peak_gb)
@@ -97,8 +99,9 @@ class Unshard(ModulePass):
         if self.min_saved_ms > 0:  # each candidate's saving depends on those taken before it
             taken, saved = self._take_simulated(program, ordered, costs, before, cap, held)
         else:
-            taken = self._take_within_cap(program, ctx, ordered, cap, held)
-            saved = _savings(program, costs, taken)
+            fits = self._take_within_cap(program, ctx, ordered, cap, held)
+            saved = _savings(program, costs, fits, held)
+            taken = [c for c in fits if c.param in saved]
         bought: dict[str, dict[str, float]] = {}
         for c in taken:
             step, exposed = saved[c.param]
@@ -187,16 +190,21 @@ def _live_changes(c: Candidate, slot: dict[str, int], profile: MemoryProfile,
     return changes
 
 
-def _savings(program: Program, costs, taken: list[Candidate]) -> dict[str, tuple[float, float]]:
-    """What each candidate taken saves (step, exposed ms), with those before it in the schedule
-    taken too: one sweep of the schedule, each candidate run from its re-gather until the
-    program runs as without it again (the savings add up to the whole change)."""
+def _savings(program: Program, costs, fits: list[Candidate], held: dict[str, str]) -> dict[str, tuple[float, float]]:
+    """What each candidate that fits the cap saves (step, exposed ms), with those before it in
+    the schedule taken too: one sweep of the schedule, each candidate run from its re-gather
+    until the program runs as without it again (the savings add up to the whole change). One
+    that does not shorten the step is not taken (held `saves too little`): a hidden re-gather
+    would hold its replica for nothing."""
     pos = program.schedule.index
     sweep = Sweep(program.schedule.names(), steps_of(program, costs))
     saved = {}
-    for c in sorted(taken, key=lambda c: pos(c.regather_cast or c.regather)):
+    for c in sorted(fits, key=lambda c: pos(c.regather_cast or c.regather)):
         skip = {c.regather, c.regather_wait} | ({c.regather_cast} if c.regather_cast else set())  # a free takes no time
         step, exposed, _ = sweep.trial(pos(c.regather_cast or c.regather), pos(c.regather_wait), skip, {})
+        if not step < 0:
+            held[c.regather] = SAVES_TOO_LITTLE
+            continue
         saved[c.param] = (-step, -exposed)
         sweep.make(skip, {})
     return saved
