@@ -1,5 +1,7 @@
 """sink: move each gather's waits, views and copy-outs down to just before their first use.
 
+The wait of a gather nobody reads goes down to the first op an effect edge orders after it.
+
 Latest first, each realization node with users goes just before the earliest of its
 successors (data and effect: barriers, the phase marker and frees bound it through their
 edges) and of the realization node after it, so independent branches keep their order.
@@ -19,7 +21,7 @@ from __future__ import annotations
 import dataclasses
 from operator import itemgetter
 
-from ..ir import DATA, Program
+from ..ir import DATA, Program, Wait, waits_of
 from ..ir.errors import ConfigError
 from .base import ModulePass, PassContext, PassResult, option, register_pass
 from .gathers import GatherAnalysis
@@ -51,14 +53,19 @@ class Sink(ModulePass):
             gathers = sorted(gathers, key=lambda g: min(map(pos, g.realization)))
         room = headroom(ctx, program)  # the joint peak-memory cap: a copy-out sunk keeps its bucket alive
         sunk = sum(sink_in_order(program, sorted(g.realization, key=pos), room) for g in gathers)
+        # a gather nobody reads (torchtitan's traces gather the embedding twice): its wait
+        # would stall the compute where it is for nothing
+        sunk += sum(sink_in_order(program, sorted(waits_of(program, name), key=pos), room)
+                    for name in analysis.unconsumed)
         stats = {"sunk": sunk} if room is None else {"sunk": sunk, OVER_PEAK_CAP: room.refused}
         return PassResult(sunk > 0, stats)
 
 
 def sink_in_order(program: Program, nodes: tuple[str, ...] | list[str], room: Headroom | None = None) -> int:
     """Sink `nodes` (in schedule order), latest first, each to just before the earliest of its
-    successors and of the next node that was sunk; nodes nobody reads stay, and so do nodes
-    whose move would go over the peak cap (`room`). Returns the count."""
+    successors and of the next node that was sunk; nodes nobody reads stay (but a wait: it goes
+    before its earliest successor), and so do nodes whose move would go over the peak cap
+    (`room`). Returns the count."""
     schedule = program.schedule
     pos = schedule.index
     succ = program.successors  # the raw adjacency: networkx's views cost more than this loop
@@ -67,7 +74,11 @@ def sink_in_order(program: Program, nodes: tuple[str, ...] | list[str], room: He
     for name in reversed(nodes):
         nbrs = succ[name]
         if DATA not in map(itemgetter("kind"), nbrs.values()):  # nobody reads it
-            continue
+            # a wait nobody reads (a gather whose result is unused) only stalls the compute where
+            # it is: it goes down to the first op an effect edge orders after it (the phase
+            # marker, a barrier, a free, the output); anything else stays
+            if not nbrs or not isinstance(program.op(name), Wait):
+                continue
         target = min(nbrs, key=pos)
         if after is not None and pos(after) < pos(target):
             target = after
