@@ -12,7 +12,7 @@ from __future__ import annotations
 from bisect import bisect_right
 from collections.abc import Iterable, Iterator
 from itertools import chain, cycle, filterfalse
-from operator import attrgetter
+from operator import attrgetter, itemgetter
 from typing import Any
 
 import attrs
@@ -277,6 +277,7 @@ class Schedule:
 
 
 _start = attrgetter("start")
+_OP = itemgetter("op")
 
 
 # networkx >= 3.3 caches derived views on the graph; writing its adjacency dicts directly must
@@ -349,8 +350,8 @@ class Program:
 
     def ops(self) -> Iterator[Op]:
         """Ops in schedule order."""
-        nodes = self.graph._node
-        return (nodes[n]["op"] for n in self.schedule)
+        # picked out in C (no generator step per op): callers walk every op of a large graph
+        return map(_OP, map(self.graph._node.__getitem__, self.schedule))
 
     def replace(self, op: Op) -> None:
         """Swap in a new version of an op (same name and operands), e.g. from attrs.evolve."""
@@ -370,9 +371,12 @@ class Program:
         """`name` and the ops of `kinds` that feed only it, directly or through each other
         (what travels with it when it moves: a launch's views or casts)."""
         feeders, stack = {name}, [name]
+        node, succ = self.graph._node, self.graph._succ
         while stack:
-            for p in self.graph.pred[stack.pop()]:
-                if p not in feeders and isinstance(self.op(p), kinds) and set(self.users(p)) <= feeders:
+            for p in self.graph._pred[stack.pop()]:
+                # its data users as a set: `users` sorts them by position, which a subset test ignores
+                if (p not in feeders and isinstance(node[p]["op"], kinds)
+                        and {u for u, e in succ[p].items() if e["kind"] == DATA} <= feeders):
                     feeders.add(p)
                     stack.append(p)
         return feeders

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
+from itertools import accumulate, count
+from operator import itemgetter
 
 import attrs
 
@@ -42,28 +44,36 @@ class Hide(ModulePass):
         # copy-outs) is left off the clock, so that it reads the same on a second run over this
         # pipeline's own output (those ops are small next to the compute that hides gathers)
         chained = {n for g in gathers.gathers for n in (*g.chain, *g.realization)}
-        start_at, clock = [], 0.0
-        for name in schedule:
-            start_at.append(clock)
-            if name not in chained and not isinstance(program.op(name), Launch):
-                clock += ms.get(name, 0.0)
+        gather_names = {g.launch for g in gathers.gathers}
+        # one walk down the order, over the ops picked out in C (the raw node dict: a lookup per
+        # name through program.op was most of this pass at 100k nodes); adding 0.0 for an op
+        # left off the clock leaves every sum as it was
+        names = schedule.names()
+        ops = list(map(itemgetter("op"), map(program.node_data.__getitem__, names)))
+        get = ms.get
+        launches = []  # (position, name, op) of the launches that are no gather, in order
+        costs = []
+        for at, name, op in zip(count(), names, ops):
+            if isinstance(op, Launch):
+                costs.append(0.0)
+                if name not in gather_names:
+                    launches.append((at, name, op))
+            else:
+                costs.append(0.0 if name in chained else get(name, 0.0))
+        start_at = list(accumulate(costs, initial=0.0))[:-1]
 
         streams: dict[str, list[Gather]] = {}
         for g in gathers.gathers:
             streams.setdefault(stream_of(program.op(g.launch)), []).append(g)
         fixed: dict[str, list[tuple[float, float]]] = {}
-        gather_names = {g.launch for g in gathers.gathers}
-        for name in schedule:
-            op = program.op(name)
-            if isinstance(op, Launch) and name not in gather_names:
-                at = schedule.index(name)
-                if op.role is Role.REDUCE_SCATTER:
-                    # timed from the slot just after what it reads or follows: where
-                    # overlap-reduce-scatter hoists it, so a second run over this pipeline's
-                    # own output sees the stream busy at the same times
-                    at = _earliest(program, program.private_feeders(name, (View,)))
-                begin = start_at[at]
-                fixed.setdefault(stream_of(op), []).append((begin, begin + ms.get(name, 0.0)))
+        for at, name, op in launches:
+            if op.role is Role.REDUCE_SCATTER:
+                # timed from the slot just after what it reads or follows: where
+                # overlap-reduce-scatter hoists it, so a second run over this pipeline's
+                # own output sees the stream busy at the same times
+                at = _earliest(program, program.private_feeders(name, (View,)))
+            begin = start_at[at]
+            fixed.setdefault(stream_of(op), []).append((begin, begin + get(name, 0.0)))
 
         stats = {"anchored": 0, HIDDEN: 0, NOT_HIDDEN: 0, "held": 0}
         changed = False

@@ -16,6 +16,7 @@ reduce-scatters are admitted in launch order while the in-flight total stays wit
 from __future__ import annotations
 
 import dataclasses
+from operator import itemgetter
 
 from ..ir import Cast, Compute, Launch, Program, Role, View, waits_of
 from .base import ModulePass, PassContext, PassResult, check_budget, option, register_pass
@@ -41,7 +42,9 @@ class OverlapReduceScatter(ModulePass):
     def apply(self, ctx: PassContext, program: Program) -> PassResult:
         schedule = program.schedule
         limit = int(self.max_in_flight_gb * 2**30)
-        launches = [n for n in schedule if isinstance(op := program.op(n), Launch) and op.role is Role.REDUCE_SCATTER]
+        names = schedule.names()
+        ops = map(itemgetter("op"), map(program.node_data.__getitem__, names))  # in C: no call per name
+        launches = [n for n, op in zip(names, ops) if isinstance(op, Launch) and op.role is Role.REDUCE_SCATTER]
         # in-flight bytes over the starting order's positions; a wait only moves later, so
         # positions between a launch and its new wait never shift out of order
         tree = MaxTree(len(schedule) + 1)
