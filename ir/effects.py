@@ -26,7 +26,7 @@ from operator import itemgetter
 
 from .errors import InputError
 from .ops import Barrier, Compute, Free, Input, Launch, Marker, Op, Opaque, Output, Phase, View
-from .program import DATA, Program
+from .program import DATA, Program, Schedule
 
 ENTRY = "^entry"
 BACKWARD = "^backward"
@@ -122,6 +122,7 @@ def _place_markers(program: Program) -> tuple[list[str], list[Op]]:
     order = program.schedule.names()
     node = program.graph._node
     ops = list(map(itemgetter("op"), map(node.__getitem__, order)))
+    reordered, added = False, []
     if ENTRY not in node:
         kinds = list(map(type, ops))
         is_input = {k: issubclass(k, Input) for k in set(kinds)}
@@ -132,9 +133,11 @@ def _place_markers(program: Program) -> tuple[list[str], list[Op]]:
             first = [at for at, flag in enumerate(flags) if flag]
             rest = [at for at, flag in enumerate(flags) if not flag]
             order, ops = [order[at] for at in first + rest], [ops[at] for at in first + rest]
+            reordered = True
         marker = program.add(Marker(name=ENTRY))
         order.insert(count, ENTRY)
         ops.insert(count, marker)
+        added.append(ENTRY)
     if BACKWARD not in node:
         backward = Phase.BACKWARD
         first = next((at for at, op in enumerate(ops) if op.phase is backward and _phased(op)), None)
@@ -142,8 +145,24 @@ def _place_markers(program: Program) -> tuple[list[str], list[Op]]:
             marker = program.add(Marker(name=BACKWARD, phase=Phase.BACKWARD))
             order.insert(first, BACKWARD)
             ops.insert(first, marker)
-    program.schedule = type(program.schedule)(order)
+            added.append(BACKWARD)
+    _insert_markers(program, order, added, reordered)
     return order, ops
+
+
+def _insert_markers(program: Program, order: list[str], added: list[str], reordered: bool) -> None:
+    """Make `order` (the schedule plus the markers just added) the program's schedule: each
+    marker put in before the name after it, the later first (a few hundred names re-indexed;
+    building the order afresh re-indexed all of it, as lowering had just done), unless the
+    inputs were moved or a marker is last; then a new schedule of `order`."""
+    schedule = program.schedule
+    markers = sorted(map(order.index, added))
+    if reordered or type(schedule) is not Schedule or (markers and markers[-1] == len(order) - 1):
+        program.schedule = type(schedule)(order)
+        return
+    for at in reversed(markers):
+        schedule.insert_before(order[at], order[at + 1])
+    schedule.take_moved()  # as a new schedule: nothing moved yet
 
 
 _UNPHASED = (Input, Marker, Output)

@@ -11,6 +11,7 @@ identity says whether, where there is a val), and which collectives are opaque.
 from __future__ import annotations
 
 import operator
+from operator import attrgetter
 from typing import Any, NamedTuple
 
 import torch
@@ -30,6 +31,9 @@ REDUCE_SCATTER_TAG = tags.REDUCE_SCATTER
 KNOWN_COMM_TYPES = frozenset({*GATHER_TAGS, *FREE_TAGS, REDUCE_SCATTER_TAG})
 CAST_OPS = {"prims::convert_element_type", "aten::_to_copy"}
 COLLECTIVE_NAMESPACES = ("_c10d_functional", "c10d_functional")
+
+
+_NAME = attrgetter("name")
 
 
 class LoweringError(InputError):
@@ -415,7 +419,8 @@ class _Lowering:
 
     def lower(self, node: fx.Node) -> Op:
         kind = node.op
-        base = {"name": node.name, "operands": tuple([n.name for n in node.all_input_nodes]),
+        # the inputs read off the node's own dict of them (`all_input_nodes` copies it to a list)
+        base = {"name": node.name, "operands": tuple(map(_NAME, node._input_nodes)),
                 "types": value_types(node, self.types)}
         # the output ends the program and inputs read nothing: derive_effects's order rules
         # (ir/effects.py) then keep the graph's own order, which the manager relies on (api.py)
@@ -624,8 +629,8 @@ def _lower(gm: fx.GraphModule) -> Program:
     program = Program(origin=gm)
     nodes = list(gm.graph.nodes)
     program.add_all([lowering.lower(node) for node in nodes])
-    program.payload.update({node.name: node for node in nodes})
-    order = [node.name for node in nodes]
+    order = list(map(_NAME, nodes))
+    program.payload.update(zip(order, nodes))
     if lowering.late_forward:
         program.notes.append(f"{lowering.late_forward} untagged nodes after the first backward node: "
                              "treated as backward")

@@ -55,8 +55,22 @@ class MaxTree:
                     d[hi] += value
             lo >>= 1
             hi >>= 1
-        self._build(l0)
-        self._build(r0 - 1)
+        # the ancestors of both ends, a step up each in turn: from where the two paths meet in
+        # one step they are one path, rebuilt once (one end's whole path then the other's rebuilt
+        # that part twice). Every node is rebuilt last after its children are, so the tree is the
+        # same (where one path reaches a node a step before the other, both rebuild it).
+        lo, hi = l0, r0 - 1
+        while lo > 1 or hi > 1:
+            stepped = lo > 1
+            if stepped:
+                lo >>= 1
+                a, b = t[2 * lo], t[2 * lo + 1]
+                t[lo] = (a if a > b else b) + d[lo]
+            if hi > 1:
+                hi >>= 1
+                if not (stepped and hi == lo):
+                    a, b = t[2 * hi], t[2 * hi + 1]
+                    t[hi] = (a if a > b else b) + d[hi]
 
     def max(self, lo: int, hi: int) -> int:
         t = self.t

@@ -129,7 +129,7 @@ def _raise(program: Program, lint: bool) -> fx.GraphModule:
             if isinstance(ops[name]["op"], Marker):
                 continue
             raise RaisingError(f"%{name} ({ops[name]['op'].KIND}) has no FX node to raise from")
-        inputs, operands = node.all_input_nodes, ops[node.name]["op"].operands
+        inputs, operands = node._input_nodes, ops[node.name]["op"].operands  # its inputs' own dict, not a list copy
         mapper = remap
         if len(inputs) != len(operands) or any(map(ne, operands, map(_name, inputs))):
             # a rewriting pass changed what it reads: each FX input maps to its operand's node
