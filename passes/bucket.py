@@ -32,10 +32,14 @@ order.
 A trial rewrites nothing: a `DryRun` rewriter makes the rewriter's checks of the merge, the
 simulator's time rules run only over the stretch of the schedule the bucket changes (from its
 first member until the program runs as without it, only later: cost/simulate.py's `Sweep`),
-and its peak is its change to the live-bytes curve in a max tree. The bucket taken is merged
-once. This chooses what merging on a copy and simulating the whole program per trial chose
-(tests/test_pass_bucket.py checks it), at a cost per trial of the members and the stretch, not
-of the program; a bucket of K members is still tried K times over.
+and its peak is its change to the live-bytes curve in a max tree. A gather bucket grows a
+member at a time (`_GatherGrowth`): each member's checks, ops, prices and changes to the curve
+are made once, when it joins, so a trial costs its stretch and the bucket's own ops, not a plan
+of every member; the bucket taken is planned whole once and merged once. This chooses what
+merging on a copy and simulating the whole program per trial chose (tests/test_pass_bucket.py
+checks it). What is left is the stretch: a bucket of K members simulates its stretch K times
+(the stretch grows with K), and where gathers are launched long before their waits (the
+generated graphs prefetch the whole forward), each trial's stretch is that long.
 """
 
 from __future__ import annotations
@@ -47,7 +51,7 @@ from collections import Counter
 import attrs
 
 from ..cost.model import CostAnalysis, Roofline, is_zero_cost
-from ..cost.simulate import MemoryProfile, Sweep, alloc_bytes, memory_profile, simulate, step_of, steps_of
+from ..cost.simulate import OTHER, MemoryProfile, Sweep, alloc_bytes, memory_profile, simulate, step_of, steps_of
 from ..ir import DATA, EFFECT, Cast, Compute, CopyOut, Free, Launch, Phase, Program, Role, TensorType, View, Wait, holds
 from ..ir.effects import storage_readers, storage_root
 from ..ir.holds import OVER_PEAK_CAP, SAVES_TOO_LITTLE, register_hold
@@ -121,23 +125,24 @@ class Bucket(ModulePass):
                 start = 0
                 while start < len(run):
                     members, best, end = [run[start]], None, start + 1
+                    grow, nbytes = trials.grow(run[start], kind, names.fresh(kind)), run[start].nbytes
                     while end < len(run):
-                        trial_members = members + [run[end]]
-                        if sum(m.nbytes for m in trial_members) > self.max_bucket_mb * MIB:
+                        nbytes += run[end].nbytes
+                        if nbytes > self.max_bucket_mb * MIB:
                             held[run[end].launch] = OVER_SIZE
                             break
                         try:
-                            trial = trials.evaluate(trial_members, kind, names.fresh(kind))
+                            trial = grow.evaluate(run[end])
                         except RewriteError:
                             held[run[end].launch] = EFFECT_EDGE
                             break
                         reason = self.refusal(trial, best, cap, inflight_cap)
                         if reason is not None:
                             held[run[end].launch] = reason
-                            trials.show(best.live if best else ())
                             break
-                        members, best = trial_members, trial
+                        members, best = members + [run[end]], trial
                         end += 1
+                    best = grow.close(best, members)
                     if best is not None:
                         name = names.fresh(kind)
                         bought[name] = {
@@ -244,6 +249,10 @@ class _Trials:
         self.show(live)
         return Trial(plan, costs, skip, steps, live, step_ms, self.tree.max(0, len(slot)), inflight)
 
+    def grow(self, first: Member, kind: str, name: str):
+        """Trials of the bucket that starts with `first`, each one member more than the one before."""
+        return _GatherGrowth(self, first, name) if kind == "gather" else _Growth(self, first, kind, name)
+
     def show(self, live) -> None:
         """Make the tree hold the made buckets and `live` (a trial's changes): only what differs
         from the trial shown before is added or taken back (a growing bucket adds a member)."""
@@ -279,6 +288,224 @@ class _Trials:
         self.peak_without = trial.peak_bytes
 
 
+class _Growth:
+    """The trials of one bucket as it grows, each planned whole (`_Trials.evaluate`): reduce-scatter
+    buckets, whose launch moves to their last member (every member's rows and the pack with it)."""
+
+    def __init__(self, trials: _Trials, first: Member, kind: str, name: str):
+        self.trials, self.members, self.kind, self.name = trials, [first], kind, name
+
+    def evaluate(self, m: Member) -> Trial:
+        """The bucket of the members so far and `m` (raises RewriteError where it would cross an
+        effect edge); `m` stays in for the next trial (the caller stops growing at the first
+        trial it refuses)."""
+        self.members.append(m)
+        return self.trials.evaluate(self.members, self.kind, self.name)
+
+    def close(self, best: Trial | None, members: list[Member]) -> Trial | None:
+        """Done growing: the tree shows `best` (the last trial taken; None: none) and it is returned,
+        ready to be made."""
+        self.trials.show(best.live if best else ())
+        return best
+
+
+class _GatherGrowth:
+    """The trials of one gather bucket as it grows, a member at a time, without planning each
+    trial whole: a member's rewriter checks, its ops (reshape into the pack, band, copy-out and
+    view of the result), their prices and its changes to the live-bytes curve are made once, when
+    it joins; each trial re-creates only the bucket's own ops (pack, launch, wait, grid) and simulates its
+    stretch. (A member's checks see the members before it, and more members only skip more
+    edges, so each check decides as it does in a whole plan.) So a trial costs
+    its stretch and the steps at its two anchors, not a plan of every member. The checks, ops,
+    steps and curve are those `merge` with a `DryRun` makes for the same members (`close` plans
+    the bucket taken whole, with `_Trials.evaluate`, to make it); a member waited before the bucket's wait so far
+    moves every copy-out, and is planned by building the growth again (ops priced at no time
+    are left out of the steps: they step no clock)."""
+
+    def __init__(self, trials: _Trials, first: Member, name: str):
+        self.trials, self.name = trials, name
+        self._build([first])
+
+    def _build(self, members: list[Member]) -> None:
+        trials, program = self.trials, self.trials.program
+        self.program, self.slot = program, trials.slot
+        self.first = first = program.op(members[0].launch)
+        self.ranks, self.dtype, self.phase = first.group_size, first.types[0].dtype, first.phase
+        self.here = min((m.wait for m in members), key=self.slot.__getitem__)
+        self.wait_op = program.op(self.here)
+        self.at, self.here_slot = self.slot[first.name], self.slot[self.here]
+        self.dry = DryRun(program, trials.cache)
+        self.members: list[Member] = []
+        self.names: set[str] = set()       # members' launches and waits: what `inherit` skips
+        self.skip: set[str] = set()        # and the hoisted casts: what the sweep skips
+        self.cast_steps: list = []         # hoisted casts, stepped before the bucket's launch
+        self.pack_steps: list = []         # reshapes into the pack that take time
+        self.copy_steps: list = []         # bands, copy-outs and views after the wait that take time
+        self.sources: list[str] = []       # the pack's operands
+        self.params: tuple = ()
+        self.total = self.nbytes = 0
+        self.end = self.here_slot          # the last slot a trial touches
+        self.member_live: list = []        # the members' changes to the live-bytes curve
+        self.hoisted_bytes = self.unhoisted_bytes = 0
+        self.bucket_live: list = []        # the bucket's own changes, as the tree holds them now
+        self.applied: list = []            # members' changes the tree holds
+        for m in members:
+            self._add(m)
+
+    def _add(self, m: Member) -> None:
+        """`m` joins: the checks and ops `merge` makes for it, in the order it makes them."""
+        dry, program, name, first, i = self.dry, self.program, self.name, self.first, len(self.members)
+        if i and m.cast is not None:
+            # (what it changes for the members before it: none of their launches or waits can
+            # precede a cast hoisted before the first launch, or `hoist` refuses it)
+            dry.hoist(m.cast, before=first.name)
+        flat = _flat(program, dry, m.source, f"{name}_in{i}", self.phase, before=first.name)
+        if flat == m.source:
+            dry.check_operand(f"{name}_pack", m.source, first.name)
+        self.names.update((m.launch, m.wait))
+        self.sources.append(flat)
+        self.params += program.op(m.launch).params
+        offset = self.total
+        self.total += m.numel
+        self.nbytes += m.nbytes
+        self._bucket_ops()
+        dry.inherit(m.launch, name, skip=self.names)
+        band = dry.create(View(name=f"{name}_band{i}", operands=(f"{name}_grid",), phase=self.wait_op.phase,
+                               target="aten.slice.Tensor", types=(TensorType(self.dtype, (self.ranks, m.numel)),)),
+                          before=self.here)
+        copy = dry.create(CopyOut(name=f"{name}_copy{i}", operands=(band.name,), phase=self.wait_op.phase,
+                                  target="aten.clone.default", bucket=name,
+                                  types=(TensorType(self.dtype, (self.ranks, m.numel)),)), before=self.here)
+        out = dry.create(View(name=f"{name}_out{i}", operands=(copy.name,), phase=self.wait_op.phase,
+                              target="aten.view.default", types=(TensorType(self.dtype, m.shape),)), before=self.here)
+        dry.inherit(m.wait, out.name, skip=self.names)
+        dry.replace_uses(m.wait, out.name)
+        # it joins: its steps and its changes to the curve
+        trials, slot = self.trials, self.slot
+        self.members.append(m)
+        if m.cast in dry.hoisted:
+            self.cast_steps.append((m.cast, trials.sweep.steps[m.cast]))
+            self.skip.add(m.cast)
+            self.end = max(self.end, slot[m.cast])
+        self.skip.update((m.launch, m.wait))
+        self.end = max(self.end, slot[m.launch], slot[m.wait])
+        if flat != m.source:
+            self.pack_steps += _timed(dry.ops[flat], trials, dry)
+        for op in (band, copy, out):
+            self.copy_steps += _timed(op, trials, dry)
+        changes, hoisted, unhoisted = _gather_member_changes(
+            m, alloc_bytes(copy), m.cast in dry.hoisted, self.at, self.here_slot, slot, trials.profile,
+            trials.released)
+        self.member_live += changes
+        self.hoisted_bytes += hoisted
+        self.unhoisted_bytes += unhoisted
+
+    def _bucket_ops(self) -> None:
+        """The bucket's own ops for the members so far (`_merge_gathers` and `_wait` make them so)."""
+        dry, name, first, ranks, dtype = self.dry, self.name, self.first, self.ranks, self.dtype
+        pack = _compute(f"{name}_pack", self.sources, self.phase, TensorType(dtype, (self.total,)), "aten.cat.default")
+        launch = Launch(name=name, operands=(pack.name,), phase=self.phase, target=first.target,
+                        types=(TensorType(dtype, (ranks * self.total,)),), group=first.group, group_size=ranks,
+                        role=first.role, nbytes=self.nbytes, params=self.params, bucket=name,
+                        prefetched=first.prefetched, anchor=first.anchor)
+        wait = Wait(name=f"{name}_wait", operands=(name,), phase=self.wait_op.phase, target=self.wait_op.target,
+                    types=launch.types)
+        grid = View(name=f"{name}_grid", operands=(wait.name,), phase=self.wait_op.phase, target="aten.view.default",
+                    types=(TensorType(dtype, (ranks, self.total)),))
+        for op, anchor in ((pack, first.name), (launch, first.name), (wait, self.here), (grid, self.here)):
+            dry.ops[op.name] = op
+            dry.anchor[op.name] = anchor
+        self.ops = (pack, launch, wait, grid)
+
+    def evaluate(self, m: Member) -> Trial:
+        """The bucket of the members so far and `m`; `m` stays in for the next trial (the caller
+        stops growing at the first trial it refuses)."""
+        if self.slot[m.wait] < self.here_slot:  # every copy-out moves: plan the members again
+            self._take_back()
+            self._build(self.members + [m])
+        else:
+            self._add(m)
+        trials, name = self.trials, self.name
+        pack, launch, wait, grid = self.ops
+        costs = {op.name: trials._cost(op, self.dry) for op in self.ops}
+        steps = {self.first.name: self.cast_steps + self.pack_steps
+                 + _timed(pack, trials, self.dry, costs) + _timed(launch, trials, self.dry, costs),
+                 self.here: _timed(wait, trials, self.dry, costs) + _timed(grid, trials, self.dry, costs)
+                 + self.copy_steps}
+        step_ms, _, inflight = trials.sweep.trial(self.at, self.end, self.skip, steps)
+        # the curve: the new members' changes, and the bucket's own in place of the trial's before
+        added = self.member_live[len(self.applied):]
+        bucket_live = _gather_bucket_changes(alloc_bytes(pack), alloc_bytes(launch), self.hoisted_bytes,
+                                             self.unhoisted_bytes, self.at, self.here_slot)
+        self._show(added, +1)
+        self._show(self.bucket_live, -1)
+        self._show(bucket_live, +1)
+        self.applied, self.bucket_live = self.member_live[:], bucket_live
+        return Trial(None, costs, frozenset(), steps, (), step_ms, trials.tree.max(0, len(self.slot)), inflight)
+
+    def _show(self, changes, sign: int) -> None:
+        """Add (+1) or take back (-1) `changes` in the tree and in what it is said to show."""
+        shown, tree = self.trials.shown, self.trials.tree
+        for c in _kept(changes):
+            tree.add(c[0], c[1], sign * c[2])
+            shown[c] += sign
+
+    def _take_back(self) -> None:
+        self._show(self.applied, -1)
+        self._show(self.bucket_live, -1)
+        self.applied, self.bucket_live = [], []
+
+    def close(self, best: Trial | None, members: list[Member]) -> Trial | None:
+        """Done growing: the tree shows only the made buckets, and the bucket of `members` (when
+        `best`, the last trial taken, is not None) is planned whole, shown and returned."""
+        trials = self.trials
+        trials.shown = +trials.shown
+        trials.show(())
+        if best is None:
+            return None
+        return trials.evaluate(members, "gather", self.name)
+
+
+def _timed(op, trials: _Trials, plan: DryRun, costs: dict | None = None) -> list:
+    """A new op's step, as the sweep steps it: none for an op that takes no time (it moves no clock)."""
+    cost = costs[op.name] if costs is not None else trials._cost(op, plan)
+    step = step_of(op, cost)
+    return [] if step[0] == OTHER and cost == 0.0 else [(op.name, step)]
+
+
+def _kept(changes):
+    return [c for c in changes if c[0] < c[1] and c[2]]
+
+
+def _gather_member_changes(m: Member, copy_bytes: int, hoisted: bool, at: int, here: int, slot: dict[str, int],
+                           profile: MemoryProfile, released: dict[str, int]):
+    """One gather member's part of `_live_changes`: (changes, its hoisted cast's bytes, its unhoisted one's)."""
+    alloc, end = profile.alloc, len(slot) - 1
+    until = released.get(m.launch, end)
+    # its gathered buffer is gone; its copy-out lives as that buffer did, from the wait on
+    changes = [(slot[m.launch], until + 1, -alloc.get(m.launch, 0)),
+               (here, (here if until == slot[m.launch] else until) + 1, copy_bytes)]
+    size = alloc.get(m.cast, 0) if m.cast is not None else 0
+    if not size or m.cast not in released:
+        return changes, 0, 0
+    if hoisted:  # private casts: the pack reads them now and is their last reader
+        changes.append((slot[m.cast], released[m.cast] + 1, -size))
+        return changes, size, 0
+    changes.append((at + 1, released[m.cast] + 1, -size))
+    return changes, 0, size
+
+
+def _gather_bucket_changes(pack: int, bucket: int, hoisted: int, unhoisted: int, at: int, here: int) -> list:
+    """A gather bucket's own part of `_live_changes`: its pack and buffer (released after the last
+    copy-out); in the launch's slot, the pack with the hoisted casts, or the launch once every cast
+    is released (the bucket is at least the casts it packs)."""
+    changes = [(at, at + 1, pack), (at, here + 1, bucket)]
+    fix = min(bucket - hoisted, unhoisted)
+    if fix > 0:
+        changes.append((at, at + 1, -fix))
+    return changes
+
+
 def _live_changes(kind: str, plan: DryRun, members: list[Member], name: str, slot: dict[str, int],
                   profile: MemoryProfile, released: dict[str, int], first_free: dict[str, int]):
     """How merging `members` changes the live bytes (as `memory_profile` counts them) at each
@@ -291,48 +518,36 @@ def _live_changes(kind: str, plan: DryRun, members: list[Member], name: str, slo
     pack, bucket = alloc_bytes(new[f"{name}_pack"]), alloc_bytes(new[name])
     at = slot[plan.anchor[name]]             # where the bucket launches (pack, launch)
     here = slot[plan.anchor[f"{name}_wait"]]  # where it is waited (copy-outs or slices)
-    changes = [(at, at + 1, pack)]
-    for m in members:  # each member's gathered or reduced buffer is gone
-        changes.append((slot[m.launch], released.get(m.launch, end) + 1, -alloc.get(m.launch, 0)))
     if kind == "gather":
-        changes.append((at, here + 1, bucket))  # released after the last copy-out
-        for i, m in enumerate(members):  # a copy-out lives as its member's buffer did, from the wait on
-            until = released.get(m.launch, end)
-            changes.append((here, (here if until == slot[m.launch] else until) + 1,
-                            alloc_bytes(new[f"{name}_copy{i}"])))
-        hoisted = unhoisted = 0  # private casts: the pack reads them now and is their last reader
-        for m in members:
-            size = alloc.get(m.cast, 0) if m.cast is not None else 0
-            if not size or m.cast not in released:
-                continue
-            if m.cast in plan.hoisted:
-                changes.append((slot[m.cast], released[m.cast] + 1, -size))
-                hoisted += size
-            else:
-                changes.append((at + 1, released[m.cast] + 1, -size))
-                unhoisted += size
-        # in the launch's slot: the pack with the hoisted casts, or the launch once every cast is
-        # released (the bucket is at least the casts it packs)
-        fix = min(bucket - hoisted, unhoisted)
-    else:
-        frees = [first_free[m.launch] for m in members if m.launch in first_free]
-        until = min(frees) if frees else max(released.get(m.launch, end) for m in members)
-        changes.append((at, until + 1, bucket))
-        read_here, seen = 0, set()  # gradients: the pack, here, is their last reader if none is later
-        for m in members:
-            root = profile.root.get(m.source, m.source)
-            size = alloc.get(root, 0)
-            if root in seen or not size or root not in released:
-                continue
-            seen.add(root)
-            if released[root] < at:
-                changes.append((released[root] + 1, at + 1, size))
-            if released[root] <= at:
-                read_here += size
-        fix = min(bucket, read_here)  # released after the pack, before the launch allocates
+        changes, hoisted, unhoisted = [], 0, 0
+        for i, m in enumerate(members):
+            part, h, u = _gather_member_changes(m, alloc_bytes(new[f"{name}_copy{i}"]), m.cast in plan.hoisted,
+                                                at, here, slot, profile, released)
+            changes += part
+            hoisted, unhoisted = hoisted + h, unhoisted + u
+        return _kept(changes + _gather_bucket_changes(pack, bucket, hoisted, unhoisted, at, here))
+    # reduce-scatters: each member's reduced buffer is gone
+    changes = [(at, at + 1, pack)]
+    for m in members:
+        changes.append((slot[m.launch], released.get(m.launch, end) + 1, -alloc.get(m.launch, 0)))
+    frees = [first_free[m.launch] for m in members if m.launch in first_free]
+    until = min(frees) if frees else max(released.get(m.launch, end) for m in members)
+    changes.append((at, until + 1, bucket))
+    read_here, seen = 0, set()  # gradients: the pack, here, is their last reader if none is later
+    for m in members:
+        root = profile.root.get(m.source, m.source)
+        size = alloc.get(root, 0)
+        if root in seen or not size or root not in released:
+            continue
+        seen.add(root)
+        if released[root] < at:
+            changes.append((released[root] + 1, at + 1, size))
+        if released[root] <= at:
+            read_here += size
+    fix = min(bucket, read_here)  # released after the pack, before the launch allocates
     if fix > 0:
         changes.append((at, at + 1, -fix))
-    return [c for c in changes if c[0] < c[1] and c[2]]
+    return _kept(changes)
 
 
 class _Names:
@@ -455,22 +670,25 @@ class DryRun:
         return self.pos(name)
 
     def create(self, op, *, before: str, payload=None):
-        program = self.program
         for operand in op.operands:
-            if operand not in self.anchor and operand not in program.graph:
-                raise RewriteError(f"create(%{op.name}): operand %{operand} is not defined")
-            if operand in self.anchor and self.pos(self.anchor[operand]) > self.pos(before):
-                raise RewriteError(f"create(%{op.name}): operand %{operand} is not scheduled before %{before}")
-            if operand not in self.anchor and self._at(operand) >= self.pos(before):
-                raise RewriteError(f"create(%{op.name}): operand %{operand} is not scheduled before %{before}")
-            if operand not in self.anchor:  # a read of existing storage after a free of it
-                for a in self._frees_of(operand):
-                    if self._at(a) < self.pos(before):
-                        raise RewriteError(f"%{op.name} would read storage that %{a} frees before it")
+            self.check_operand(op.name, operand, before)
         self.anchor[op.name] = before
         self.ops[op.name] = op
         self.before.setdefault(before, []).append((op, payload))
         return op
+
+    def check_operand(self, name: str, operand: str, before: str) -> None:
+        """What `create` checks of each operand of a new op `name` created before `before`."""
+        if operand not in self.anchor and operand not in self.program.graph:
+            raise RewriteError(f"create(%{name}): operand %{operand} is not defined")
+        if operand in self.anchor and self.pos(self.anchor[operand]) > self.pos(before):
+            raise RewriteError(f"create(%{name}): operand %{operand} is not scheduled before %{before}")
+        if operand not in self.anchor and self._at(operand) >= self.pos(before):
+            raise RewriteError(f"create(%{name}): operand %{operand} is not scheduled before %{before}")
+        if operand not in self.anchor:  # a read of existing storage after a free of it
+            for a in self._frees_of(operand):
+                if self._at(a) < self.pos(before):
+                    raise RewriteError(f"%{name} would read storage that %{a} frees before it")
 
     def hoist(self, name: str, *, before: str) -> None:
         program = self.program
