@@ -5,7 +5,8 @@ time against the default pipeline's own, and what they buy (simulated step and p
 
 Per graph: the default pipeline runs once on the lowered program (CPU seconds, verify after each
 pass, as `fxsched.schedule` does); then each rewriting pass runs on its own copy of that result
-(CPU seconds of the pass alone, then the manager's verify after it). Generated graphs come from
+(CPU seconds of the pass alone, then the manager's verify after it), with a hash of the schedule
+it made. Generated graphs come from
 front/generate.py (as bench/bench_pipeline.py's); `--models` adds the built-in models (2 layers,
 widths 32 and 1024, world 2). `--profile PASS` prints a cProfile of that pass at each size.
 Goal (issue 17): each rewriting pass <= ~20% of the default pipeline's time at 100k nodes.
@@ -16,6 +17,7 @@ from __future__ import annotations
 import argparse
 import cProfile
 import gc
+import hashlib
 import io
 import json
 import pstats
@@ -62,7 +64,9 @@ def measure(label: str, gm, rewrites: dict[str, str], profile: str | None) -> di
         stats = result.results[0][1].stats
         row[key] = {"s": round(t, 3), "ratio": round(t / t_default, 3), "step_ms": round(sim.step_ms, 4),
                     "peak_mib": round(sim.peak_bytes / 2**20, 3),
-                    "count": stats.get("buckets", stats.get("unsharded"))}
+                    "count": stats.get("buckets", stats.get("unsharded")),
+                    # the schedule it made: a change of speed must not change it
+                    "hash": hashlib.sha1("\n".join(trial.schedule.names()).encode()).hexdigest()[:12]}
     return row
 
 
