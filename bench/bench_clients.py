@@ -296,6 +296,7 @@ def titan_compile_workloads(args, model) -> list[dict[str, Any]]:
         rows.append({"workload": label, "build_s": build, "graphs": infos, "per_graph": parts,
                      "schedules": _sum(list(parts.values()))})
         _print(rows[-1])
+        cap_table(rows[-1], [(gm, phase) for phase, gm in graphs.items()], model, args)
     return rows
 
 
