@@ -18,9 +18,10 @@ peer-cap table's cap, bench/peer_cap.py; for torch.compile the larger of the two
 Every output (the loss and every gradient; the forward graph's saved activations) must be
 bitwise equal to the unscheduled run's on both ranks, each scheduled graph's simulated peak
 (the pipeline's and the raised graph's) within its cap, and the rewriting pipeline must rewrite
-somewhere, or the comparison would test reordering only. What it takes on these graphs is
-gather buckets: unshard has no candidate (Inductor's forward and backward are separate graphs;
-torchtitan's frees its forward replicas by liveness: "no forward replica").
+somewhere on the torch.compile graphs, or the comparison would test reordering only. What it
+takes there is gather buckets: unshard has no candidate (Inductor's forward and backward are
+separate graphs; torchtitan's graph frees its forward replicas by liveness: "no forward
+replica"), and on torchtitan's debug graph no bucket shortens the step under these caps.
 """
 from __future__ import annotations
 
@@ -195,7 +196,7 @@ def _compile_worker(rank, world_size, cases, layers):
     return out
 
 
-def _check(results, what: str):
+def _check(results, what: str, must_rewrite: bool = True):
     bought = 0
     for rank, r in enumerate(results):
         for case, c in r.items():
@@ -218,7 +219,8 @@ def _check(results, what: str):
     case = next(iter(results[0]))
     last = lambda r: r[case]["plain"][-1]  # noqa: E731 — the backward graph's outputs: the gradients
     assert not all(torch.equal(a, b) for a, b in zip(last(results[0]), last(results[1])))
-    assert bought > 0, f"{what}: no capped run bucketed or unsharded anything: only reordering was compared"
+    if must_rewrite:
+        assert bought > 0, f"{what}: no capped run bucketed or unsharded anything: only reordering was compared"
     return bought
 
 
@@ -269,4 +271,7 @@ def _titan_worker(rank, world_size, layers):
                                                 "pip install -e '.[torchtitan]' (see .ci/run)")
 def test_torchtitan_joint_graph_capped_is_bitwise_equal_on_two_ranks():
     results = run_ranks(_titan_worker, 2, args=(2,), timeout=900)
-    _check(results, "torchtitan")
+    # since `sink` moves the unread embedding gather's wait (13e16d2) no bucket shortens this
+    # graph's step under these caps ("saves too little"): capped reordering is what is compared
+    # here; tests/test_pass_bucket.py runs torchtitan's graph bucketed, uncapped, on 2 ranks
+    _check(results, "torchtitan", must_rewrite=False)
