@@ -1,6 +1,7 @@
 """sink: move each gather's waits, views and copy-outs down to just before their first use.
 
-The wait of a gather nobody reads goes down to the first op an effect edge orders after it.
+After `hide`, the wait of a gather nobody reads goes down to the first op an effect edge orders
+after it (without hide, as in the reference pipeline, it stays: HyperParallel's pass leaves it).
 
 Latest first, each realization node with users goes just before the earliest of its
 successors (data and effect: barriers, the phase marker and frees bound it through their
@@ -53,19 +54,22 @@ class Sink(ModulePass):
             gathers = sorted(gathers, key=lambda g: min(map(pos, g.realization)))
         room = headroom(ctx, program)  # the joint peak-memory cap: a copy-out sunk keeps its bucket alive
         sunk = sum(sink_in_order(program, sorted(g.realization, key=pos), room) for g in gathers)
-        # a gather nobody reads (torchtitan's traces gather the embedding twice): its wait
-        # would stall the compute where it is for nothing
-        sunk += sum(sink_in_order(program, sorted(waits_of(program, name), key=pos), room)
-                    for name in analysis.unconsumed)
+        if ctx.planned is not None:
+            # after hide, a gather nobody reads (torchtitan's traces gather the embedding twice):
+            # its wait would stall the compute where it is for nothing (the reference's sink,
+            # like HyperParallel's, leaves it)
+            sunk += sum(sink_in_order(program, sorted(waits_of(program, name), key=pos), room, unread=True)
+                        for name in analysis.unconsumed)
         stats = {"sunk": sunk} if room is None else {"sunk": sunk, OVER_PEAK_CAP: room.refused}
         return PassResult(sunk > 0, stats)
 
 
-def sink_in_order(program: Program, nodes: tuple[str, ...] | list[str], room: Headroom | None = None) -> int:
+def sink_in_order(program: Program, nodes: tuple[str, ...] | list[str], room: Headroom | None = None,
+                  unread: bool = False) -> int:
     """Sink `nodes` (in schedule order), latest first, each to just before the earliest of its
-    successors and of the next node that was sunk; nodes nobody reads stay (but a wait: it goes
-    before its earliest successor), and so do nodes whose move would go over the peak cap
-    (`room`). Returns the count."""
+    successors and of the next node that was sunk; nodes nobody reads stay (with `unread`, a wait
+    nobody reads goes before its earliest successor), and so do nodes whose move would go over
+    the peak cap (`room`). Returns the count."""
     schedule = program.schedule
     pos = schedule.index
     succ = program.successors  # the raw adjacency: networkx's views cost more than this loop
@@ -77,7 +81,7 @@ def sink_in_order(program: Program, nodes: tuple[str, ...] | list[str], room: He
             # a wait nobody reads (a gather whose result is unused) only stalls the compute where
             # it is: it goes down to the first op an effect edge orders after it (the phase
             # marker, a barrier, a free, the output); anything else stays
-            if not nbrs or not isinstance(program.op(name), Wait):
+            if not (unread and nbrs and isinstance(program.op(name), Wait)):
                 continue
         target = min(nbrs, key=pos)
         if after is not None and pos(after) < pos(target):
