@@ -1,4 +1,4 @@
-"""End to end: every built-in model through the FSDP front and the reference and default pipelines.
+"""End to end: every built-in model through the FSDP front and the reference, default and rewrite pipelines.
 
 The scheduled graph lints, moves the gathers it should, and gives bitwise-identical loss and
 gradients on 2 gloo ranks (all graphs run in one spawn to keep the suite fast).
@@ -12,12 +12,14 @@ import fxsched
 from fxsched.front import fsdp_joint_graph
 from fxsched.ir import Launch, verify
 from fxsched.models import MODELS, build_model
+from fxsched.passes import parse_pipeline
 from fxsched.runtime import run_ranks
 
 from ranks import WORLD, check_bitwise, rank_feeds, run_all
 
 CASES = [(name, buckets) for name in sorted(MODELS) for buckets in (False, True)]
 PIPELINES = ("reference", "default")
+REWRITE = "rewrite"   # changes the node set: checked for legality in its own test, bitwise below
 
 
 @pytest.fixture(scope="module")
@@ -27,7 +29,7 @@ def scheduled():
         module, inputs, model_loss = build_model(name, layers=2, width=32, seed=1)
         front = fsdp_joint_graph(module, inputs, lambda m, *xs: model_loss(m(*xs), *xs), WORLD,
                                  buckets="per-module" if buckets else None)
-        done = {p: fxsched.schedule(front.gm, p) for p in PIPELINES}
+        done = {p: fxsched.schedule(front.gm, p) for p in (*PIPELINES, REWRITE)}
         cases[(name, buckets)] = (front, done, rank_feeds(front, module, inputs, WORLD))
     return cases
 
@@ -55,12 +57,29 @@ def test_schedule_is_legal_and_moves_gathers(scheduled, name, buckets, pipeline)
     assert [n.name for n in done.graph_module.graph.nodes] != [n.name for n in front.gm.graph.nodes]
 
 
+def test_the_rewrite_pipeline_is_default_then_unshard_then_bucket_and_rewrites(scheduled):
+    assert [str(p) for p in parse_pipeline(REWRITE)] == [*map(str, parse_pipeline("default")), "unshard", "bucket"]
+    bought = {}
+    for key, (_, runs, _) in scheduled.items():
+        done = runs[REWRITE]
+        done.graph_module.graph.lint()
+        verify(done.program)
+        # each rewrite is taken only for a shorter simulated step, at no higher peak (their
+        # default cap: the peak of the program they get)
+        default = runs["default"].gap
+        assert done.gap["step_ms"] <= default["step_ms"] and done.gap["peak_bytes"] <= default["peak_bytes"]
+        bought[key] = done.gap["bought"]
+    # on these comm-bound widths it buckets or unshards somewhere: the bitwise check covers a rewrite
+    assert any(bought.values()), bought
+
+
 @pytest.mark.multirank
 def test_scheduled_graphs_are_bitwise_equal_on_two_ranks(scheduled):
+    names = (*PIPELINES, REWRITE)
     jobs = []
     for front, done, feeds in scheduled.values():
         jobs.append((front.gm, feeds))
-        jobs.extend((done[p].graph_module, feeds) for p in PIPELINES)
+        jobs.extend((done[p].graph_module, feeds) for p in names)
     results = run_ranks(run_all, WORLD, args=(jobs,), timeout=600)
-    check_bitwise(results, list(scheduled), f"scheduled graph (#1-#{len(PIPELINES)}: {', '.join(PIPELINES)})",
-                  per_key=1 + len(PIPELINES))
+    check_bitwise(results, list(scheduled), f"scheduled graph (#1-#{len(names)}: {', '.join(names)})",
+                  per_key=1 + len(names))
