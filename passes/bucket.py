@@ -370,14 +370,8 @@ class _GatherGrowth:
         self.nbytes += m.nbytes
         self._bucket_ops()
         dry.inherit(m.launch, name, skip=self.names)
-        band = dry.create(View(name=f"{name}_band{i}", operands=(f"{name}_grid",), phase=self.wait_op.phase,
-                               target="aten.slice.Tensor", types=(TensorType(self.dtype, (self.ranks, m.numel)),)),
-                          before=self.here)
-        copy = dry.create(CopyOut(name=f"{name}_copy{i}", operands=(band.name,), phase=self.wait_op.phase,
-                                  target="aten.clone.default", bucket=name,
-                                  types=(TensorType(self.dtype, (self.ranks, m.numel)),)), before=self.here)
-        out = dry.create(View(name=f"{name}_out{i}", operands=(copy.name,), phase=self.wait_op.phase,
-                              target="aten.view.default", types=(TensorType(self.dtype, m.shape),)), before=self.here)
+        band, copy, out = (dry.create(op, before=self.here, payload=payload) for op, payload in
+                           _member_outputs(name, i, m, offset, self.wait_op.phase, self.dtype, self.ranks))
         dry.inherit(m.wait, out.name, skip=self.names)
         dry.replace_uses(m.wait, out.name)
         # it joins: its steps and its changes to the curve
@@ -790,23 +784,29 @@ def _merge_gathers(program: Program, rw: Rewriter, members: list[Member], name: 
                grid.name]
     offset = 0
     for i, m in enumerate(members):
-        band = rw.create(View(name=f"{name}_band{i}", operands=(grid.name,), phase=wait_op.phase,
-                              target="aten.slice.Tensor", types=(TensorType(dtype, (ranks, m.numel)),)),
-                         before=here, payload=Call("aten.slice.Tensor", (Operand(0), 1, offset, offset + m.numel)))
-        # clone keeps the strides of a dense input only: a column band is not dense, so the
-        # copy is contiguous (rank-major, as the member's own gather) and views as flat
-        copy = rw.create(CopyOut(name=f"{name}_copy{i}", operands=(band.name,), phase=wait_op.phase,
-                                 target="aten.clone.default", bucket=name,
-                                 types=(TensorType(dtype, (ranks, m.numel)),)),
-                         before=here, payload=Call("aten.clone.default", (Operand(0),)))
-        flat = rw.create(View(name=f"{name}_out{i}", operands=(copy.name,), phase=wait_op.phase,
-                              target="aten.view.default", types=(TensorType(dtype, m.shape),)),
-                         before=here, payload=Call("aten.view.default", (Operand(0), list(m.shape))))
+        band, copy, flat = (rw.create(op, before=here, payload=payload)
+                            for op, payload in _member_outputs(name, i, m, offset, wait_op.phase, dtype, ranks))
         rw.inherit(m.wait, flat.name, skip=skip)
         rw.replace_uses(m.wait, flat.name)
         created += [band.name, copy.name, flat.name]
         offset += m.numel
     return created
+
+
+def _member_outputs(name: str, i: int, m: Member, offset: int, phase: Phase, dtype, ranks: int) -> list[tuple]:
+    """Member i's ops after the bucket's wait, each with its payload: its band of the grid
+    (columns `offset` on), the copy-out of that band and the view of it as the member's result."""
+    # clone keeps the strides of a dense input only: a column band is not dense, so the copy is
+    # contiguous (rank-major, as the member's own gather) and views as flat
+    band = View(name=f"{name}_band{i}", operands=(f"{name}_grid",), phase=phase, target="aten.slice.Tensor",
+                types=(TensorType(dtype, (ranks, m.numel)),))
+    copy = CopyOut(name=f"{name}_copy{i}", operands=(band.name,), phase=phase, target="aten.clone.default",
+                   bucket=name, types=(TensorType(dtype, (ranks, m.numel)),))
+    out = View(name=f"{name}_out{i}", operands=(copy.name,), phase=phase, target="aten.view.default",
+               types=(TensorType(dtype, m.shape),))
+    return [(band, Call("aten.slice.Tensor", (Operand(0), 1, offset, offset + m.numel))),
+            (copy, Call("aten.clone.default", (Operand(0),))),
+            (out, Call("aten.view.default", (Operand(0), list(m.shape))))]
 
 
 def _merge_reduce_scatters(program: Program, rw: Rewriter, members: list[Member], name: str) -> list[str]:
