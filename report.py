@@ -44,7 +44,8 @@ def gap_lines(gap: dict) -> list[str]:
     rewrite bought (`ScheduleResult.gap`)."""
     lines = [f"step {gap['step_ms']:.4f} ms, lower bound {gap['bound_ms']:.4f} ms, step/bound {gap['gap']:.3f}; "
              f"bound = max(compute {gap['compute_ms']:.4f} + exposed at the legal limit {gap['forced_ms']:.4f}, "
-             f"busiest stream {gap['busiest_stream'] or '-'} {gap['busiest_stream_ms']:.4f}) ms; "
+             f"busiest stream {gap['busiest_stream'] or '-'} {gap['busiest_stream_ms']:.4f}, "
+             f"critical path {gap['critical_ms']:.4f}) ms; "
              f"exposed {gap['exposed_ms']:.4f} ms"]
     peak = f"peak memory {format_size(gap['peak_bytes'])}"
     if gap["cap_bytes"] is None:

@@ -13,6 +13,9 @@ Each collective's exposed time (the compute stream idle at its wait) goes to one
 Legal slots are read off the program's edges (data and effect), the same rules `ir.verify` checks.
 Views and casts read only by a launch travel with it, as the passes move them; views of a
 wait's result travel with the wait.
+
+`lower_bound` bounds the step of the schedule's compute order from below; `critical_ms` is the
+part of it that follows each collective's queue on its stream (see there).
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ import bisect
 from collections.abc import Mapping
 from itertools import accumulate
 
-from ..ir import Cast, Launch, Program, View, waits_of
+from ..ir import Cast, Launch, Program, View, Wait, waits_of
 from .simulate import Simulation, stream_of
 
 BUSY, REORDERABLE, MOVABLE, AT_LIMIT = "stream busy", "reorderable", "movable", "at legal limit"
@@ -86,22 +89,114 @@ def _slack_after(program: Program, wait: str, work: list[float]) -> float:
     return work[bound] - work[pos(wait) + 1]
 
 
+def critical_ms(program: Program, costs: Mapping[str, float]) -> float:
+    """A lower bound of the step of every schedule that keeps this one's order of the ops that
+    are not communication and moves only the communication: each launch with the views and casts
+    that feed only it (`private_feeders`), each wait with the views of its result.
+
+    Sweeping the order, the compute stream reaches a kept op no earlier than the one before it
+    finished, nor than any moving op it follows could have finished: a launch is issued no
+    earlier than its inputs (and the collectives it follows) are ready, plus the casts that feed
+    it; a wait returns no earlier than its launch's issue plus the collective's time. And where a
+    wait must come before a kept op (the first kept op its wait or the wait's views precede), its
+    collective has ended by then: the collectives of one stream that have so ended ran one at a
+    time after their issues, so they end no earlier than max over r of (r + the time of those
+    issued at r or later) — the single-machine bound with release times, which the greedy fold
+    over issues in order gives. Each step either takes a legal schedule's constraint or drops
+    one (the costs of moving casts are left off the kept ops' clock; streams may run collectives
+    in any order), so the result never exceeds that of any such schedule, this one included.
+    Unlike the `at legal limit` exposure, it counts a collective queued behind others that the
+    rules place no later (a burst of reduce-scatters before a barrier, the gathers at the start).
+    """
+    schedule = program.schedule
+    names = schedule.names()
+    node, pred, succ = program.node_data, program.predecessors, program.successors
+    pos = schedule.index
+    moving: set[str] = set()
+    travels: dict[str, set[str]] = {}  # launch -> its waits and their views
+    launch_of: dict[str, str] = {}     # wait -> its launch
+    for name in names:
+        if not isinstance(node[name]["op"], Launch):
+            continue
+        moving |= program.private_feeders(name, (View, Cast))
+        travel = travels[name] = set()
+        for wait in waits_of(program, name):
+            launch_of[wait] = name
+            travel.add(wait)
+            stack = [wait]
+            while stack:
+                for s in succ[stack.pop()]:
+                    if s not in travel and isinstance(node[s]["op"], View):
+                        travel.add(s)
+                        stack.append(s)
+        moving |= travel
+    # each collective has ended before the first kept op its wait (or the wait's views) precede
+    due: dict[int, list[str]] = {}
+    for name, travel in travels.items():
+        at = min((pos(s) for n in travel for s in succ[n] if s not in moving), default=len(names))
+        due.setdefault(at, []).append(name)
+    ready: dict[str, float] = {}   # a moving op: no earlier than this it has run (launch: issued)
+    finish: dict[str, float] = {}  # a kept op: no earlier than this it has run
+    queues: dict[str, tuple[list[float], list[float], list[float]]] = {}  # stream -> issues, times, fold
+    clock = 0.0
+
+    def ended(launch: str) -> float:
+        """The stream's ended-by bound once `launch` joins the collectives that have ended."""
+        issues, times, fold = queues.setdefault(stream_of(node[launch]["op"]), ([], [], []))
+        r, d = ready[launch], costs.get(launch, 0.0)
+        i = bisect.bisect_right(issues, r)
+        issues.insert(i, r)
+        times.insert(i, d)
+        del fold[i:]
+        last = fold[-1] if fold else 0.0
+        for r, d in zip(issues[i:], times[i:]):
+            last = (last if last > r else r) + d
+            fold.append(last)
+        return last
+
+    for at, name in enumerate(names):
+        op = node[name]["op"]
+        if name in moving:
+            start = _inputs(pred[name], finish, ready)
+            if name in launch_of:  # a wait: its collective has run
+                launch = launch_of[name]
+                start = max(start, ready[launch] + costs.get(launch, 0.0))
+            ready[name] = start + (0.0 if isinstance(op, Launch) else costs.get(name, 0.0))
+            continue
+        arrive = max(clock, _inputs(pred[name], finish, ready))
+        for launch in due.pop(at, ()):
+            arrive = max(arrive, ended(launch))
+        clock = arrive + costs.get(name, 0.0)
+        finish[name] = clock
+    for launch in (n for rest in due.values() for n in rest):
+        clock = max(clock, ended(launch))
+    return max(clock, max(ready.values(), default=0.0))
+
+
+def _inputs(preds, finish: dict[str, float], ready: dict[str, float]) -> float:
+    return max((finish[p] if p in finish else ready[p] for p in preds), default=0.0)
+
+
 def lower_bound(program: Program, sim: Simulation, costs: Mapping[str, float]) -> dict[str, float | str | None]:
     """A lower bound of `sim`'s step, and what it is made of.
 
     The schedule runs all its compute and, on each stream, all its collectives; and its compute
     stream also idles where communication is exposed `at legal limit` (launched at its earliest
-    legal slot, waited at its latest: no move of that collective hides it). So the step is at
-    least max(compute + that exposure, the busiest stream), never more than `sim.step_ms` (the
-    exposure at the limit is a part of the exposure). Read off this schedule (another placement
-    of communication may leave less at the limit), so it bounds this schedule's step.
-    `forced_ms` is that exposure; `plain_ms` the bound without it (as `Simulation.lower_bound_ms`).
+    legal slot, waited at its latest: no move of that collective hides it), and where a wait must
+    come before compute that its collective's queue on its stream reaches only later
+    (`critical_ms`). So the step is at least max(compute + that exposure, the busiest stream, the
+    critical path), never more than `sim.step_ms` (the exposure at the limit is a part of the
+    exposure; the critical path bounds every placement of the communication, this one's too).
+    Read off this schedule's compute order (another order of compute may do better), so it
+    bounds this schedule's step. `forced_ms` is that exposure; `critical_ms` the critical path;
+    `plain_ms` the bound without either (as `Simulation.lower_bound_ms`).
     """
     forced = exposure_causes(program, sim, costs)[AT_LIMIT] if sim.exposed_ms > 0 else 0.0
     busiest = max(sim.comm_ms_by_stream.items(), key=lambda kv: (kv[1], kv[0]), default=(None, 0.0))
-    bound = max(sim.compute_ms + forced, busiest[1])
+    critical = critical_ms(program, costs) if sim.exposed_ms > 0 else 0.0
+    bound = max(sim.compute_ms + forced, busiest[1], critical)
     return {
         "bound_ms": bound, "plain_ms": sim.lower_bound_ms, "compute_ms": sim.compute_ms, "forced_ms": forced,
-        "busiest_stream": busiest[0], "busiest_stream_ms": busiest[1],
+        "critical_ms": critical, "busiest_stream": busiest[0], "busiest_stream_ms": busiest[1],
         "step_ms": sim.step_ms, "gap": sim.step_ms / bound if bound > 0 else 1.0,
     }

@@ -1,7 +1,7 @@
 """The gap report (`ScheduleResult.gap`, `report["gap"]`, `--report`, `fxsched explain`).
 
 The simulated step against a lower bound read off the schedule (`cost.limits.lower_bound`:
-max(compute + the exposure at the legal limit, the busiest stream)), the peak
+max(compute + the exposure at the legal limit, the busiest stream, the critical path)), the peak
 against the cap in force, and what each rewrite bought. The bound never exceeds the step
 (a property over generated graphs and pipelines); the numbers are the simulator's.
 """
@@ -40,6 +40,7 @@ def _check(gap, program):
     assert gap["busiest_stream_ms"] == pytest.approx(max(sim.comm_ms_by_stream.values(), default=0.0))
     assert 0 <= gap["forced_ms"] <= sim.exposed_ms + EPS
     assert gap["plain_ms"] <= gap["bound_ms"] + EPS            # the forced exposure only adds
+    assert gap["critical_ms"] <= gap["bound_ms"] + EPS
     assert gap["bound_ms"] <= gap["step_ms"] * (1 + EPS) + EPS  # a lower bound
     assert gap["gap"] >= 1 - EPS
     json.dumps(gap)
@@ -104,7 +105,8 @@ def test_lower_bound_of_a_program_with_no_communication():
 # ---- the text ----------------------------------------------------------------------------
 
 BOUND_LINE = (r"step (\d+\.\d{4}) ms, lower bound (\d+\.\d{4}) ms, step/bound (\d+\.\d{3}); bound = max\(compute "
-              r"\d+\.\d{4} \+ exposed at the legal limit \d+\.\d{4}, busiest stream comm:\S+ \d+\.\d{4}\) ms; "
+              r"\d+\.\d{4} \+ exposed at the legal limit \d+\.\d{4}, busiest stream comm:\S+ \d+\.\d{4}, "
+              r"critical path \d+\.\d{4}\) ms; "
               r"exposed \d+\.\d{4} ms")
 
 
