@@ -7,9 +7,11 @@ ends; that idle time is the collective's exposed communication.
 
 Memory, in schedule order: each op that is not an alias allocates its results when it runs
 (a collective's output at its launch); views and waits alias their base's storage; a buffer
-is released after its last (non-alias) reader runs, or at a free of it (whose readers a legal
-schedule has already run); a buffer no one reads is released right after its op; inputs,
-constants and what the output returns live to the end. The peak is taken after each op's allocation, before its releases.
+is released after the last op that keeps it alive (`keeps_alive`: an op that is no alias
+keeps its operands; a wait keeps what its collective touches until it completes, the launch's
+inputs and results) runs, or at a free of it (whose readers a legal schedule has already run);
+a buffer nothing keeps is released right after its op; inputs, constants and what the output
+returns live to the end. The peak is taken after each op's allocation, before its releases.
 
 One pass over the schedule and the edges, plus a sort of the gather intervals: O(N log N).
 """
@@ -85,6 +87,26 @@ class Simulation:
 
 def _alias_base(op) -> bool:
     return isinstance(op, (View, Wait)) and bool(op.operands)
+
+
+def keeps_alive(op, op_of) -> tuple[str, ...]:
+    """The values whose storage `op` keeps alive up to its place in the schedule, for the memory
+    model: the one rule `simulate` releases storage by and every pass that predicts live bytes
+    (memory-cap's Headroom, bucket, unshard) mirrors. `op_of(name)` gives an op, or None where
+    the name is not in the schedule.
+
+    An op that is no alias reads its operands. A view keeps nothing itself (it aliases its base:
+    its readers keep the base). A wait keeps what its collective touches until it completes:
+    the launch's operands, which an async collective reads until then (c10d's Work holds its
+    input until the wait), and the launch's results, which it writes until then. Every wait of
+    a coalesced launch keeps all its operands (one Work for all of them). In a legal schedule
+    the launch runs before its wait, so this only ever extends a storage's life to the wait."""
+    if isinstance(op, Wait):
+        launch = op_of(op.launched_by) if op.launched_by is not None else None
+        return (op.launched_by, *launch.operands) if isinstance(launch, Launch) else ()
+    if isinstance(op, View) and op.operands:
+        return ()
+    return op.operands
 
 
 def simulate(program: Program, model: Any = None, *, costs: Mapping[str, float] | None = None,
@@ -242,16 +264,15 @@ def _memory(order: list[str], ops: Mapping[str, Any]) -> MemoryProfile:
     release_at: dict[str, int] = {}   # storage root -> position after which it is released
     freed_at: dict[str, int] = {}
     returned: set[str] = set()        # storage the output returns: live to the end
+    op_of = ops.get
     for name in order:
         op = ops[name]
-        if _alias_base(op):
-            continue
         if isinstance(op, Output):
             returned.update(root[o] for o in op.operands)
             continue
         i = pos[name]
-        for operand in op.operands:
-            r = root[operand]
+        for kept in keeps_alive(op, op_of):
+            r = root.get(kept, kept)
             if release_at.get(r, -1) < i:
                 release_at[r] = i
         if isinstance(op, Free) and op.operands:
@@ -283,6 +304,35 @@ def _memory(order: list[str], ops: Mapping[str, Any]) -> MemoryProfile:
         for gone in releases.get(i, ()):
             live -= alloc[gone]
     return MemoryProfile(tuple(order), tuple(curve), peak, peak_at, alloc, root, statics, releases)
+
+
+def op_getter(program: Program):
+    """`op_of` for `keeps_alive` over a program: an op by name (None: no such node)."""
+    nodes = program.graph._node
+    return lambda name: (nodes.get(name) or {}).get("op")
+
+
+def keeper_slots(profile: MemoryProfile, op_of) -> dict[str, list[int]]:
+    """Each storage root -> the slots (of `profile.order`) of the ops that keep it alive, by
+    `keeps_alive`, in order: what a rewrite that erases some of them needs to know where the
+    storage is released without them (`last_kept`). O(N)."""
+    root = profile.root
+    slots: dict[str, list[int]] = {}
+    for i, name in enumerate(profile.order):
+        op = op_of(name)
+        if isinstance(op, Output):
+            continue
+        for kept in keeps_alive(op, op_of):
+            slots.setdefault(root.get(kept, kept), []).append(i)
+    return slots
+
+
+def last_kept(slots: list[int], without: set[int] | frozenset[int]) -> int:
+    """The last of `slots` not in `without` (-1: none)."""
+    for i in reversed(slots):
+        if i not in without:
+            return i
+    return -1
 
 
 # ---- stepping the time rules op by op (the rewriting passes' trials) --------------------------

@@ -26,7 +26,8 @@ from collections import Counter
 import attrs
 
 from ..cost.model import Roofline, is_zero_cost
-from ..cost.simulate import OTHER, MemoryProfile, Sweep, alloc_bytes, memory_profile, step_of, steps_of
+from ..cost.simulate import (OTHER, MemoryProfile, Sweep, alloc_bytes, keeper_slots, last_kept, memory_profile,
+                             op_getter, step_of, steps_of)
 from ..ir import EFFECT, Free, Program, View, Wait
 from ..ir.effects import storage_readers, storage_root
 from ..ir.rewriter import RewriteError
@@ -67,6 +68,7 @@ class Trials:
         self.profile = profile = memory_profile(program)
         self.tree = MaxTree.of(list(profile.live))
         self.released = {buf: i for i, bufs in profile.releases.items() for buf in bufs}
+        self.kept = keeper_slots(profile, op_getter(program))  # storage -> its keepers' slots
         self.first_free: dict[str, int] = {}  # storage root -> the slot of its first free
         nodes = program.graph.nodes
         for i, n in enumerate(order):
@@ -93,7 +95,7 @@ class Trials:
         touched = [slot[n] for n in skip | set(plan.before)]
         step_ms, _, inflight = self.sweep.trial(min(touched), max(touched), skip, steps)
         live = tuple(_live_changes(kind, plan, members, name, slot, self.profile, self.released,
-                                   self.first_free))
+                                   self.first_free, self.kept))
         self.show(live)
         return Trial(plan, costs, skip, steps, live, step_ms, self.tree.max(0, len(slot)), inflight)
 
@@ -237,7 +239,7 @@ class _GatherGrowth:
             self.copy_steps += _timed(op, trials, dry)
         changes, hoisted, unhoisted = _gather_member_changes(
             m, alloc_bytes(copy), m.cast in dry.hoisted, self.at, self.here_slot, slot, trials.profile,
-            trials.released)
+            trials.released, trials.kept)
         self.member_live += changes
         self.hoisted_bytes += hoisted
         self.unhoisted_bytes += unhoisted
@@ -312,28 +314,36 @@ def _kept(changes):
 
 
 def _gather_member_changes(m: Member, copy_bytes: int, hoisted: bool, at: int, here: int, slot: dict[str, int],
-                           profile: MemoryProfile, released: dict[str, int]):
-    """One gather member's part of `_live_changes`: (changes, its hoisted cast's bytes, its unhoisted one's)."""
+                           profile: MemoryProfile, released: dict[str, int], kept: dict[str, list[int]]):
+    """One gather member's part of `_live_changes`: (changes, its hoisted cast's bytes, the bytes
+    of its source the pack is now the last to keep alive)."""
     alloc, end = profile.alloc, len(slot) - 1
     until = released.get(m.launch, end)
-    # its gathered buffer is gone; its copy-out lives as that buffer did, from the wait on
+    # its gathered buffer is gone; its copy-out lives as that buffer's readers kept it, from the
+    # wait on (a buffer its wait was the last to keep, nobody read: the copy-out goes at once)
     changes = [(slot[m.launch], until + 1, -alloc.get(m.launch, 0)),
-               (here, (here if until == slot[m.launch] else until) + 1, copy_bytes)]
-    size = alloc.get(m.cast, 0) if m.cast is not None else 0
-    if not size or m.cast not in released:
+               (here, (here if until <= slot[m.wait] else until) + 1, copy_bytes)]
+    source = profile.root.get(m.source, m.source)
+    size = alloc.get(source, 0)
+    if not size or source not in released:   # a shard: an input, live throughout
         return changes, 0, 0
-    if hoisted:  # private casts: the pack reads them now and is their last reader
-        changes.append((slot[m.cast], released[m.cast] + 1, -size))
+    if hoisted:  # a private cast: made just before the pack, which reads it and is its last reader
+        changes.append((slot[source], released[source] + 1, -size))
         return changes, size, 0
-    changes.append((at + 1, released[m.cast] + 1, -size))
-    return changes, 0, size
+    # its launch and wait kept it (`keeps_alive`); the pack reads it now, where the bucket launches
+    until = max(last_kept(kept.get(source, ()), {slot[m.launch], slot[m.wait]}), at)
+    if until < released[source]:
+        changes.append((until + 1, released[source] + 1, -size))
+    return changes, 0, size if until == at else 0
 
 
 def _gather_bucket_changes(pack: int, bucket: int, hoisted: int, unhoisted: int, at: int, here: int) -> list:
-    """A gather bucket's own part of `_live_changes`: its pack and buffer (released after the last
-    copy-out); in the launch's slot, the pack with the hoisted casts, or the launch once every cast
-    is released (the bucket is at least the casts it packs)."""
-    changes = [(at, at + 1, pack), (at, here + 1, bucket)]
+    """A gather bucket's own part of `_live_changes`: its pack, which the collective reads until
+    the bucket's wait (`keeps_alive`), and its buffer (released after the last copy-out); in the
+    launch's slot, the pack with the hoisted casts, or the launch once every source the pack was
+    the last to read is released (the bucket is at least the casts it packs). In the wait's slot
+    the copy-outs, together the bucket's size, take the pack's place."""
+    changes = [(at, here, pack), (at, here + 1, bucket)]
     fix = min(bucket - hoisted, unhoisted)
     if fix > 0:
         changes.append((at, at + 1, -fix))
@@ -341,7 +351,8 @@ def _gather_bucket_changes(pack: int, bucket: int, hoisted: int, unhoisted: int,
 
 
 def _live_changes(kind: str, plan: DryRun, members: list[Member], name: str, slot: dict[str, int],
-                  profile: MemoryProfile, released: dict[str, int], first_free: dict[str, int]):
+                  profile: MemoryProfile, released: dict[str, int], first_free: dict[str, int],
+                  kept: dict[str, list[int]]):
     """How merging `members` changes the live bytes (as `memory_profile` counts them) at each
     slot of the schedule: (lo, hi, bytes) added over slots [lo, hi). New ops share the slot of
     the op they are created before; where several allocate and release in one slot, the change
@@ -356,27 +367,36 @@ def _live_changes(kind: str, plan: DryRun, members: list[Member], name: str, slo
         changes, hoisted, unhoisted = [], 0, 0
         for i, m in enumerate(members):
             part, h, u = _gather_member_changes(m, alloc_bytes(new[f"{name}_copy{i}"]), m.cast in plan.hoisted,
-                                                at, here, slot, profile, released)
+                                                at, here, slot, profile, released, kept)
             changes += part
             hoisted, unhoisted = hoisted + h, unhoisted + u
         return _kept(changes + _gather_bucket_changes(pack, bucket, hoisted, unhoisted, at, here))
-    # reduce-scatters: each member's reduced buffer is gone
-    changes = [(at, at + 1, pack)]
+    # reduce-scatters: the pack lives until the bucket's wait (the collective reads it until
+    # then); each member's reduced buffer is gone
+    changes = [(at, here + 1, pack)]
     for m in members:
         changes.append((slot[m.launch], released.get(m.launch, end) + 1, -alloc.get(m.launch, 0)))
     frees = [first_free[m.launch] for m in members if m.launch in first_free]
-    until = min(frees) if frees else max(released.get(m.launch, end) for m in members)
+    # the bucket lives until the last reader of a member's result (a result its wait was the
+    # last to keep, nobody read), or its first free
+    until = min(frees) if frees else max([here, *(u for m in members
+                                                  if (u := released.get(m.launch, end)) > slot[m.wait])])
     changes.append((at, until + 1, bucket))
-    read_here, seen = 0, set()  # gradients: the pack, here, is their last reader if none is later
+    # gradients: the members' launches and waits kept them (`keeps_alive`); the pack, here, reads
+    # them now, and is the last to keep those nothing later keeps
+    gone = {slot[n] for m in members for n in (m.launch, m.wait)}
+    read_here, seen = 0, set()
     for m in members:
         root = profile.root.get(m.source, m.source)
         size = alloc.get(root, 0)
         if root in seen or not size or root not in released:
             continue
         seen.add(root)
-        if released[root] < at:
-            changes.append((released[root] + 1, at + 1, size))
-        if released[root] <= at:
+        kept_to = max(last_kept(kept.get(root, ()), gone), at)
+        if kept_to != released[root]:
+            lo, hi = sorted((kept_to, released[root]))
+            changes.append((lo + 1, hi + 1, size if kept_to > released[root] else -size))
+        if kept_to == at:
             read_here += size
     fix = min(bucket, read_here)  # released after the pack, before the launch allocates
     if fix > 0:

@@ -12,8 +12,9 @@ CLI's `--max-peak-gb` / `--max-peak-increase-gb` put it first in the pipeline.
 - **incrementally**, for passes that move ops: `headroom(ctx, program)` is the live-bytes curve
   of the order the pass started from in a max segment tree; `earlier(nodes, target)` (a launch
   chain moving up: its results are live from the target on) and `later(node, target)` (an op
-  moving down: its result is live later, and what it is the last to read stays live until
-  there) check a move in O(log N) and count it when taken. The counts never under-estimate
+  moving down: its result is live later, and what it is the last to keep alive stays live
+  until there — for a wait, its collective's inputs and results, by the simulator's own rule
+  `keeps_alive`) check a move in O(log N) and count it when taken. The counts never under-estimate
   (a read moved earlier still counts its storage as released where it was), so what fits here
   fits in simulation; a move that does not fit the counts is checked again against the exact
   curve of the order as it is then (a refresh: O(N), a few per pass).
@@ -44,8 +45,8 @@ import math
 import attrs
 
 from ..cost.model import STATIC
-from ..cost.simulate import MemoryProfile, memory_profile
-from ..ir import Program, Schedule, View, Wait
+from ..cost.simulate import MemoryProfile, keeps_alive, memory_profile, op_getter
+from ..ir import Program, Schedule
 from ..ir.holds import OVER_PEAK_CAP  # noqa: F401  (passes import the reason from here too)
 from .base import Analysis, ModulePass, PassContext, PassResult, check_budget, option, register_pass
 from .maxtree import MaxTree
@@ -171,7 +172,7 @@ class Headroom:
     Slot i is the i-th op of the order the curve was read off; an op a move placed just before
     `target` sits in target's slot from then on (between the slot before and target's: what is
     live there is bounded by the slot before's count plus the move's own). Every move the pass
-    makes must go through `earlier`, `later` or `moved`, and be made in the schedule before the
+    makes must go through `earlier`, `later` or `later_all`, and be made in the schedule before the
     next check: a move that does not fit the counted curve is checked once more against the
     exact curve of the order as it is then (its counts over-estimate, e.g. a read moved earlier
     releases its storage earlier), at most once per few moves taken, so the work stays
@@ -180,6 +181,7 @@ class Headroom:
 
     def __init__(self, program: Program, profile: MemoryProfile, limit: float, schedule: Schedule | None = None):
         self.program, self.limit, self.schedule = program, limit, schedule or program.schedule
+        self._op_of = op_getter(program)
         self.refused = 0  # moves that did not fit
         self.taken = 0    # moves counted since the curve was read
         self.taken_in_all = 0
@@ -207,29 +209,40 @@ class Headroom:
         lo = self.slot(target)
         alloc = self.profile.alloc
         ranges = [(lo, self.slot(n), alloc[n]) for n in names if alloc.get(n, 0) > 0]
-        return Move(self, tuple(names), ranges, lo)
+        return Move(self, {n: lo for n in names}, ranges)
 
     def later(self, name: str, target: str) -> Move | None:
         """`name` moving down to just before `target`: its result is live from there on, and a
-        storage it is the last to read stays live until there (a view or wait reads nothing, as
-        in the simulator). The move if it fits, else None."""
-        return self._checked(lambda: self._later(name, target))
+        storage it is the last to keep alive (`cost.simulate.keeps_alive`: an op its operands, a
+        wait its collective's inputs and results) stays live until there. The move if it fits,
+        else None."""
+        return self._checked(lambda: self._later({name: target}))
 
-    def _later(self, name: str, target: str) -> Move:
-        lo, hi = self.slot(name), self.slot(target)
-        op = self.program.op(name)
-        ranges, released = [], {}
-        own = self.profile.alloc.get(name, 0)
-        if own and lo < hi - 1:
-            ranges.append((lo, hi - 1, -own))
-        if not isinstance(op, (View, Wait)):
-            root, alloc = self.profile.root, self.profile.alloc
-            for r in {root.get(o, o) for o in op.operands}:
-                at = self.release.get(r)   # None: never released (a static, a returned result)
-                if at is not None and at + 1 < hi and alloc.get(r, 0) > 0:
-                    ranges.append((at + 1, hi, alloc[r]))
-                    released[r] = hi - 1
-        return Move(self, (name,), ranges, hi, released)
+    def later_all(self, targets: dict[str, str]) -> Move | None:
+        """Several ops moving down at once, each to just before its target (a coalesced
+        launch's waits: they keep the same inputs, live until the last of them)."""
+        return self._checked(lambda: self._later(targets))
+
+    def _later(self, targets: dict[str, str]) -> Move:
+        root, alloc = self.profile.root, self.profile.alloc
+        ranges, released, slots = [], {}, {}
+        until: dict[str, int] = {}   # storage -> the latest slot a moved op keeps it alive to
+        for name, target in targets.items():
+            lo, hi = self.slot(name), self.slot(target)
+            slots[name] = hi
+            own = alloc.get(name, 0)
+            if own and lo < hi - 1:
+                ranges.append((lo, hi - 1, -own))
+            for kept in keeps_alive(self.program.op(name), self._op_of):
+                r = root.get(kept, kept)
+                if until.get(r, -1) < hi:
+                    until[r] = hi
+        for r, hi in until.items():
+            at = self.release.get(r)   # None: never released (a static, a returned result)
+            if at is not None and at + 1 < hi and alloc.get(r, 0) > 0:
+                ranges.append((at + 1, hi, alloc[r]))
+                released[r] = hi - 1
+        return Move(self, slots, ranges, released)
 
     def _checked(self, make) -> Move | None:
         move = make()
@@ -257,21 +270,14 @@ class Headroom:
                 return False
         return True
 
-    def moved(self, names, target: str) -> None:
-        """Record a move that adds nothing live (a wait)."""
-        at = self.slot(target)
-        for n in names:
-            self.at[n] = at
-
 
 @attrs.define
 class Move:
-    """A checked move: `take()` counts its bytes over its ranges and puts its ops in slot `to`."""
+    """A checked move: `take()` counts its bytes over its ranges and puts its ops in their slots."""
 
     room: Headroom
-    names: tuple[str, ...]
+    slots: dict[str, int]                # each moved op -> the slot it sits in from then on
     ranges: list[tuple[int, int, int]]   # (lo, hi, bytes added over [lo, hi))
-    to: int
     released: dict[str, int] = attrs.Factory(dict)   # storage -> its new release slot
     _old: tuple | None = None   # (slots, release slots) before take
 
@@ -280,9 +286,8 @@ class Move:
         for lo, hi, nbytes in self.ranges:
             if lo < hi:
                 room.tree.add(lo, hi, nbytes)
-        self._old = ({n: room.at.get(n) for n in self.names}, {r: room.release.get(r) for r in self.released})
-        for n in self.names:
-            room.at[n] = self.to
+        self._old = ({n: room.at.get(n) for n in self.slots}, {r: room.release.get(r) for r in self.released})
+        room.at.update(self.slots)
         room.release.update(self.released)
         room.taken += 1
         room.taken_in_all += 1

@@ -8,9 +8,11 @@ Then what follows each reduce-scatter's wait — its views (a bucket's per-param
 uses, so that none of it pins the wait, and its
 wait moves down to just before its earliest successor (its users, or the barrier, free or
 output that bounds it through an effect edge), so the compute between launch and wait hides it.
-Gradient bytes kept alive by a delayed wait are in flight from the launch to the wait;
+Gradient bytes kept alive by a delayed wait are in flight from the launch to the wait (the
+collective reads its input until then: the simulator counts it live, `keeps_alive`);
 reduce-scatters are admitted in launch order while the in-flight total stays within
-`max-in-flight-gb`; the others keep their wait where it was.
+`max-in-flight-gb` and the peak within the joint cap (`memory-cap`); the others keep their
+wait where it was.
 """
 
 from __future__ import annotations
@@ -50,7 +52,7 @@ class OverlapReduceScatter(ModulePass):
         tree = MaxTree(len(schedule) + 1)
         stats = {"hoisted": 0, "overlapped": 0, "over budget": 0, "in place": 0}
         # the joint peak-memory cap: a hoisted launch holds its result earlier, a sunk cast keeps
-        # what it reads alive longer (a wait holds nothing: moving it is free)
+        # what it reads alive longer, a delayed wait its collective's input and result
         room = headroom(ctx, program)
         if self.hoist:
             stats["hoisted"] = sum(_hoist(program, name, room) for name in launches)
@@ -77,11 +79,15 @@ class OverlapReduceScatter(ModulePass):
             if tree.max(lo, hi) + nbytes > limit:
                 stats["over budget"] += 1
                 continue
+            # the joint peak-memory cap: a wait moved down keeps the gradient it reduces live to there
+            move = room.later_all(targets) if room is not None else None
+            if room is not None and move is None:
+                continue   # counted in room.refused
             tree.add(lo, hi, nbytes)
             for wait, target in targets.items():
                 schedule.move_before([wait], target)
-                if room is not None:
-                    room.moved([wait], target)
+            if move is not None:
+                move.take()
             stats["overlapped"] += 1
         if room is not None:
             stats[OVER_PEAK_CAP] = room.refused

@@ -39,7 +39,7 @@ from collections import Counter
 import attrs
 
 from ..cost.model import CostAnalysis
-from ..cost.simulate import MemoryProfile, Sweep, simulate, steps_of
+from ..cost.simulate import MemoryProfile, Sweep, keeper_slots, last_kept, op_getter, simulate, steps_of
 from ..ir import DATA, Cast, Free, Launch, Program, Role, Wait, storage_root
 from ..ir.holds import OVER_PEAK_CAP, SAVES_TOO_LITTLE, register_hold
 from ..ir.rewriter import Rewriter
@@ -134,9 +134,10 @@ class Unshard(ModulePass):
         n = len(profile.order)
         slot = {name: i for i, name in enumerate(profile.order)}
         released = {buf: i for i, bufs in profile.releases.items() for buf in bufs}
+        kept = keeper_slots(profile, op_getter(program))
         taken = []
         for c in ordered:
-            changes = _live_changes(c, slot, profile, released)
+            changes = _live_changes(c, slot, profile, released, kept, program.op(c.regather).operands[0])
             for lo, hi, nbytes in changes:
                 tree.add(lo, hi, nbytes)
             if tree.max(0, n) > cap:
@@ -169,16 +170,24 @@ class Unshard(ModulePass):
         return taken, saved
 
 
-def _live_changes(c: Candidate, slot: dict[str, int], profile: MemoryProfile,
-                  released: dict[str, int]) -> list[tuple[int, int, int]]:
+def _live_changes(c: Candidate, slot: dict[str, int], profile: MemoryProfile, released: dict[str, int],
+                  kept: dict[str, list[int]], source: str) -> list[tuple[int, int, int]]:
     """How unsharding `c` changes the live bytes (as `memory_profile` counts them) at each slot
     of the schedule: (lo, hi, bytes) added over slots [lo, hi). The forward replica, released at
     the forward free, lives on to where the re-gather's buffer was released (its readers and its
-    free are the replica's now); the re-gather's buffer and its cast are gone. An erased op's slot
-    keeps the bytes live just before it, which the next op's slot has too, so maxima are exact."""
+    free are the replica's now); the re-gather's buffer and its cast are gone; what the re-gather
+    read (`source`, a cast someone else reads too), which its launch and wait kept alive
+    (`keeps_alive`), is released after its last other keeper (`kept`: each storage's keepers'
+    slots). An erased op's slot keeps the bytes live just before it, which the next op's slot has
+    too, so maxima are exact."""
     root, alloc, end = profile.root, profile.alloc, len(profile.order)
     replica, regathered = root[c.forward_wait], root[c.regather_wait]
     changes = []
+    r = root.get(source, source)
+    if r != c.regather_cast and alloc.get(r, 0) and r in released:
+        until = max(last_kept(kept.get(r, ()), {slot[c.regather], slot[c.regather_wait]}), slot[r])
+        if until < released[r]:
+            changes.append((until + 1, released[r] + 1, -alloc[r]))
     if released.get(replica) == slot[c.forward_free]:  # else it lives on anyway (the output returns it)
         until = released.get(regathered, end - 1)
         changes.append((slot[c.forward_free] + 1, until + 1, alloc.get(replica, 0)))

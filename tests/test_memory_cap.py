@@ -30,7 +30,7 @@ from fxsched.passes import (ModulePass, PassContext, PassFailure, PassManager, P
 from fxsched.passes.base import PASSES
 from fxsched.passes.gathers import GatherAnalysis
 from fxsched.passes.placement import plan
-from fxsched.passes.manager import PeakCapExceeded
+from fxsched.passes.manager import Instrument, PeakCapExceeded
 from fxsched.passes.memory_cap import MemoryCap, cap_bytes, over_cap, resolve_cap, with_cap
 
 from fxsched.runtime import run_ranks
@@ -172,27 +172,30 @@ def test_a_cap_at_the_uncapped_peak_changes_nothing(gpt):
     assert all(op.hold != OVER_PEAK_CAP for op in capped.ops() if isinstance(op, Launch))
 
 
-def _model(name, width, mp):
+def _model(name, width, mp, buckets=None):
     module, inputs, model_loss = build_model(name, layers=2, width=width, seed=1)
     return lower(fsdp_joint_graph(module, inputs, lambda m, *xs: model_loss(m(*xs), *xs), 2,
-                                  mixed_precision=mp).gm)
+                                  mixed_precision=mp, buckets=buckets).gm)
 
 
-@pytest.mark.parametrize("name, width, where", [
-    ("llama", 1024, "input"),     # the uncapped schedule lowers the input's peak: 1.4888 -> 1.3652 ms
-    ("gpt", 32, "uncapped"),      # it raises it, and the cap is its peak: 0.8573 -> 0.8453 ms
-    ("encoder", 32, "uncapped"),  # 0.8312 -> 0.8252 ms
+@pytest.mark.parametrize("name, buckets, myopic", [
+    ("llama", "per-module", True),   # checked move by move, the same cap costs 1.5308 against 1.5198 ms
+    ("gpt", None, False),
+    ("encoder", None, False),
 ])
-def test_a_cap_the_uncapped_schedule_fits_gives_the_uncapped_schedule(name, width, where):
+def test_a_cap_the_uncapped_schedule_fits_gives_the_uncapped_schedule(name, buckets, myopic):
     # Moves checked mid-pipeline see the memory of the order before sink and overlap-reduce-scatter
-    # lower it, and hold some the final schedule fits; the manager runs the passes with their moves
-    # unchecked first and keeps that result when its final peak fits, so nothing is held for the cap
-    program = _model(name, width, torch.bfloat16)
+    # lower it, and can hold some the final schedule fits; the manager runs the passes with their
+    # moves unchecked first and keeps that result when its final peak fits, so nothing is held for
+    # the cap. (Before a collective's input counted as live until its wait, llama width 1024 bf16,
+    # gpt and encoder width 32 bf16 were myopic too: 1.4888, 0.8573, 0.8312 against 1.3652, 0.8453,
+    # 0.8252 ms; now the checked run finds their uncapped step.)
+    program = _model(name, 32, torch.bfloat16, buckets)
     free = program.copy()
     PassManager("default").run(free)
     input_peak, free_peak = memory_profile(program).peak_bytes, memory_profile(free).peak_bytes
-    assert (free_peak < input_peak) == (where == "input")
-    cap = max(free_peak, input_peak)
+    assert free_peak > input_peak   # default raises the peak: the cap is its own
+    cap = free_peak
     text = f"memory-cap{{max-peak-gb={cap / GIB!r}}},default"
     capped = program.copy()
     result, ctx = _run(capped, text)
@@ -201,11 +204,12 @@ def test_a_cap_the_uncapped_schedule_fits_gives_the_uncapped_schedule(name, widt
     stats = result.stats()[text.split(",")[0]]
     assert stats["kept"] == "unchecked" and stats["unchecked_peak_bytes"] == free_peak
     assert cap_bytes(ctx) == pytest.approx(cap, abs=1)   # the cap stays in force for the report
-    # every move checked mid-pipeline, the same cap costs step time (what this fixes)
+    # every move checked mid-pipeline, the same cap costs step time where the checks are myopic
     checked = program.copy()
     _run(checked, text.replace("}", ",try-unchecked=false}", 1))
     assert memory_profile(checked).peak_bytes <= cap
-    assert simulate(checked).step_ms > simulate(free).step_ms
+    assert (simulate(checked).step_ms > simulate(free).step_ms) == myopic
+    assert simulate(checked).step_ms >= simulate(free).step_ms
 
 
 def test_when_the_uncapped_schedule_does_not_fit_every_move_is_checked(gpt):
@@ -367,3 +371,87 @@ def test_bad_cap_values_in_pipeline_text_are_pipeline_errors(raw):
 
 def test_memory_cap_is_registered_with_its_options():
     assert set(PASSES["memory-cap"].options()) == {"max-peak-gb", "max-peak-increase-gb", "try-unchecked"}
+
+
+# ---- Headroom's counts against the simulator's memory curve --------------------------------
+
+OVERLAPPED = """
+    %x = input : f32[4]
+    ^entry
+    %grad = compute "aten.exp.default"(%x) : f32[1024]
+    %rs = launch "_c10d_functional.reduce_scatter_tensor.default"(%grad) {group = "0", group_size = 2, role = fsdp_reduce_scatter} : f32[512]
+    %w = wait(%rs) : f32[512]
+    %a = compute "aten.neg.default"(%x) : f32[256]
+    %b = compute "aten.neg.default"(%x) : f32[1024]
+    %c = compute "aten.add.Tensor"(%w, %a) : f32[512]
+    %output = output(%b, %c)
+"""
+
+
+def test_a_wait_moved_down_keeps_its_collectives_input_live_as_the_simulator_counts():
+    """The reduce-scatter's input has no reader but the launch: moving the wait down past two
+    computes keeps it live there. Headroom's counts for that move, from the exact curve, equal
+    `memory_profile` of the moved order at every op that kept its slot."""
+    from fxsched.passes.memory_cap import Headroom
+    program = parse_program(OVERLAPPED.replace("\n    ", "\n").lstrip("\n"))
+    room = Headroom(program, memory_profile(program), math.inf)
+    move = room.later("w", "c")
+    assert move is not None and move.ranges   # the input lives on over a and b
+    program.schedule.move_before(["w"], "c")
+    move.take()
+    after = memory_profile(program)
+    live = dict(zip(after.order, after.live))
+    assert live["b"] == 16 + 4096 + 2048 + 1024 + 4096   # input, output, a, b
+    for name in after.order:
+        if name != "w":
+            assert room.tree.max(room.slot(name), room.slot(name) + 1) == live[name], name
+    # a cap that counts the input refuses the move (a wait that kept nothing alive fitted)
+    program = parse_program(OVERLAPPED.replace("\n    ", "\n").lstrip("\n"))
+    tight = Headroom(program, memory_profile(program), memory_profile(program).peak_bytes)
+    assert tight.later("w", "c") is None
+
+
+class _CheckRooms(Instrument):
+    """After each pass, every Headroom it made against `memory_profile` of the order it moved on."""
+
+    def __init__(self):
+        self.rooms, self.checked = [], 0
+
+    def after(self, p, program, result):
+        for room in self.rooms:
+            assert room.refreshes == 0 and room.refused == 0
+            after = memory_profile(room.program, room.schedule.names())
+            assert after.peak_bytes <= room.tree.max(0, len(room.profile.order))
+            if p.name == "order-gathers":  # it also moves chains down within a run, unrecorded (no
+                continue                   # later launch raises memory): only its peak is bounded
+            for name, live in zip(after.order, after.live):
+                s = room.slot(name)
+                # a moved op sits between the slot before its target's and the target's
+                bound = room.tree.max(max(s - 1, 0), s + 1) if name in room.at else room.tree.max(s, s + 1)
+                assert live <= bound, (str(p), name, live, bound)
+            self.checked += len(room.at)
+        self.rooms.clear()
+
+
+@examples(12)
+@given(case=st.sampled_from([(n, b) for n in ("gpt", "llama", "encoder") for b in (None, "per-module")]))
+def test_headroom_counts_never_under_count_the_simulated_curve(model_programs, case):
+    """Every checked move of `default` counted in a Headroom with a cap far away (so none is refused
+    and nothing refreshes): after each pass, at every op of its order, `memory_profile` stays
+    within the counts of its slot. Waits moved down (overlap-reduce-scatter, sink) keep their
+    collective's inputs live; the counts must follow."""
+    from fxsched.passes import budget, memory_cap, order_gathers, overlap_reduce_scatter, prefetch, sink
+    program = model_programs[case].copy()
+    check = _CheckRooms()
+
+    def recording(ctx, program, schedule=None):
+        room = memory_cap.headroom(ctx, program, schedule)
+        if room is not None:
+            check.rooms.append(room)
+        return room
+
+    with pytest.MonkeyPatch.context() as mp:
+        for module in (budget, order_gathers, overlap_reduce_scatter, prefetch, sink):
+            mp.setattr(module, "headroom", recording)
+        PassManager("memory-cap{max-peak-gb=1000.0,try-unchecked=false},default", instruments=[check]).run(program)
+    assert check.checked > 0

@@ -7,6 +7,7 @@ import textwrap
 import pytest
 
 from fxsched.cost import Roofline, op_costs, simulate
+from fxsched.cost.simulate import memory_profile
 from fxsched.ir import parse_program, print_program, verify
 from fxsched.passes import REFERENCE_PIPELINE, PassManager
 
@@ -216,3 +217,85 @@ def test_constants_cost_nothing_and_live_throughout():
     assert Roofline().op_ms(p.op("c"), p) == 0.0
     sim = simulate(p, Roofline(), record=True)
     assert [m for _, m in sim.memory] == [16 + 1024] * 3 + [16 + 1024 + 16] * 2
+
+
+RS = '"_c10d_functional.reduce_scatter_tensor.default"'
+
+
+def test_a_collectives_input_lives_until_its_wait():
+    """An async collective reads its input until it completes (c10d's Work holds it until the
+    wait): a gradient whose only reader is the reduce-scatter's launch stays live through the
+    compute between launch and wait, beside the collective's output."""
+    p = ir(f"""
+        %x = input : f32[4]
+        ^entry
+        %grad = compute "aten.exp.default"(%x) : f32[1024]
+        %rs = launch {RS}(%grad) {{group = "0", group_size = 2, role = fsdp_reduce_scatter}} : f32[512]
+        %c = compute "aten.neg.default"(%x) : f32[1024]
+        %w = wait(%rs) : f32[512]
+        %d = compute "aten.neg.default"(%x) : f32[1024]
+        %output = output(%w, %c, %d)
+    """)
+    verify(p)
+    sim = simulate(p, costs=costs(p), record=True)
+    live = dict(zip(p.schedule, (m for _, m in sim.memory)))
+    assert live["c"] == 16 + 4096 + 2048 + 4096          # input + output + the compute's result
+    assert sim.peak_bytes == 16 + 4096 + 2048 + 4096 and sim.peak_at == "c"
+    assert live["d"] == 16 + 2048 + 4096 + 4096           # released after the wait
+    # the wait right after the launch: the input is gone before the compute
+    early = memory_profile(p, ["x", "^entry", "grad", "rs", "w", "c", "d", "output"])
+    assert dict(zip(early.order, early.live))["c"] == 16 + 2048 + 4096
+    # a wait placed before its launch (no legal schedule does) extends nothing
+    odd = memory_profile(p, ["x", "^entry", "grad", "w", "rs", "c", "d", "output"])
+    assert dict(zip(odd.order, odd.live))["c"] == 16 + 2048 + 4096
+
+
+def test_a_coalesced_collectives_inputs_live_until_its_last_wait():
+    """Every wait of a coalesced launch keeps all its inputs (one Work holds them): until the last."""
+    p = ir(f"""
+        %x = input : f32[4]
+        ^entry
+        %a = compute "aten.exp.default"(%x) : f32[1024]
+        %b = compute "aten.exp.default"(%x) : f32[256]
+        %rs = launch "_c10d_functional.reduce_scatter_tensor_coalesced.default"(%a, %b) {{group = "0", group_size = 2, reduce_op = "sum"}} : (f32[512], f32[128])
+        %g0 = view "_operator.getitem"(%rs) : f32[512]
+        %w0 = wait(%g0) {{launch = %rs}} : f32[512]
+        %c = compute "aten.neg.default"(%x) : f32[1024]
+        %g1 = view "_operator.getitem"(%rs) : f32[128]
+        %w1 = wait(%g1) {{launch = %rs}} : f32[128]
+        %d = compute "aten.neg.default"(%x) : f32[1024]
+        %output = output(%w0, %w1, %c, %d)
+    """)
+    verify(p)
+    profile = memory_profile(p)
+    live = dict(zip(profile.order, profile.live))
+    assert live["c"] == 16 + 4096 + 1024 + 2560 + 4096     # both inputs, the results, the compute's
+    assert live["d"] == 16 + 2560 + 4096 + 4096            # both inputs released after the last wait
+
+
+def test_an_in_place_collectives_input_lives_until_its_wait():
+    p = ir("""
+        %x = input : f32[4]
+        ^entry
+        %y = compute "aten.exp.default"(%x) : f32[1024]
+        %ar = launch "_c10d_functional.all_reduce_.default"(%y) {group = "0", reduce_op = "sum", writes = [%y], alias = %y}
+        %c = compute "aten.neg.default"(%x) : f32[1024]
+        %w = wait "_c10d_functional.wait_tensor.default"(%ar) {writes = [%ar], alias = %ar}
+        %d = compute "aten.neg.default"(%x) : f32[1024]
+        %output = output(%c, %d)
+    """)
+    verify(p)
+    profile = memory_profile(p)
+    live = dict(zip(profile.order, profile.live))
+    assert live["c"] == 16 + 4096 + 4096 and live["d"] == 16 + 4096 + 4096
+
+
+def test_a_collectives_unread_result_lives_until_its_wait():
+    """The collective writes its result until it completes, read or not."""
+    p = ir(gather_program('%c = compute "aten.neg.default"(%x) : f32[1024]').replace(
+        "%mm = compute \"aten.mul.Tensor\"(%wt) : f32[512]", "%mm = compute \"aten.neg.default\"(%x) : f32[512]")
+        .replace("output(%mm)", "output(%mm, %c)"))
+    verify(p)
+    profile = memory_profile(p)
+    live = dict(zip(profile.order, profile.live))
+    assert live["c"] == 1024 + 16 + 2048 + 4096 and live["mm"] == 1024 + 16 + 4096 + 2048
