@@ -305,3 +305,45 @@ def test_generated_graphs_bucket_as_simulating_each_trial_does(layers, buckets, 
     assert {name: b["members"] for name, b in stats["bought"].items()} == made
     assert simulate(program).peak_bytes == reference.peak_bytes
     assert program.schedule.names() == reference_program.schedule.names()
+
+
+@pytest.mark.parametrize("case", CASES, ids=[f"{n}-{mp or 'f32'}-{b or 'single'}" for n, mp, b in CASES])
+def test_each_trials_peak_is_the_simulated_peak_of_its_merge(default_programs, case):
+    """Every bucket a run could try — growing from each member, a member at a time, and the
+    bucket planned whole — predicts the peak `memory_profile` gives the program merged with it.
+    After `default`, reduce-scatters are waited late (overlap-reduce-scatter): their gradients,
+    and a bucket's pack, are live until the wait, where nothing else reads them."""
+    from fxsched.cost.model import CostAnalysis
+    from fxsched.cost.simulate import memory_profile
+    from fxsched.ir.rewriter import RewriteError
+    from fxsched.passes import PassContext
+    from fxsched.passes import bucket as B
+    from fxsched.passes.bucket_trials import Trials
+    program = default_programs[case]
+    ctx = PassContext()
+    analysis = ctx.get(CostAnalysis, program)
+    checked = 0
+    for kind in ("gather", "reduce-scatter"):
+        runs, _ = B._runs(program, kind)
+        for run in runs:
+            trials = Trials(program, dict(analysis.ms), analysis.model)
+            for start in range(len(run)):
+                grow, members = trials.grow(run[start], kind, "tb"), [run[start]]
+                for m in run[start + 1:start + 5]:
+                    try:
+                        trial = grow.evaluate(m)
+                    except RewriteError:
+                        break
+                    members.append(m)
+                    merged = program.copy()
+                    B.merge(merged, members, kind, "tb")
+                    assert trial.peak_bytes == memory_profile(merged).peak_bytes, [x.launch for x in members]
+                    whole = trials.evaluate(members, kind, "tb")
+                    assert whole.peak_bytes == trial.peak_bytes
+                    checked += 1
+                    trials.show(())
+                    grow = trials.grow(run[start], kind, "tb")
+                    for joined in members[1:]:
+                        grow.evaluate(joined)
+                grow.close(None, members)
+    assert checked > 0
