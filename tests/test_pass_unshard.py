@@ -212,3 +212,27 @@ def test_unshard_takes_what_simulating_each_candidate_takes(default_programs, ca
     assert simulate(program).peak_bytes == reference.peak_bytes and simulate(program).step_ms == reference.step_ms
     saved = sum(b["step_saved_ms"] for b in stats["bought"].values())
     assert saved == pytest.approx(stats["step_before_ms"] - stats["step_after_ms"], abs=1e-5)
+
+
+@pytest.mark.parametrize("case", CASES, ids=[f"{n}-{mp or 'f32'}" for n, mp in CASES])
+def test_each_candidates_live_changes_give_the_simulated_peak(default_programs, case):
+    """What unsharding one candidate does to the live-bytes curve, as the pass counts it, gives
+    the peak `memory_profile` gives the program unsharded there (the re-gather's wait kept its
+    buffer and its cast: they go with it)."""
+    from fxsched.cost.simulate import keeper_slots, memory_profile, op_getter
+    from fxsched.passes.maxtree import MaxTree
+    from fxsched.passes.unshard import _live_changes, find_candidates, unshard
+    program = default_programs[case]
+    profile = memory_profile(program)
+    slot = {name: i for i, name in enumerate(profile.order)}
+    released = {buf: i for i, bufs in profile.releases.items() for buf in bufs}
+    kept = keeper_slots(profile, op_getter(program))
+    candidates, _ = find_candidates(program)
+    assert candidates
+    for c in candidates:
+        tree = MaxTree.of(list(profile.live))
+        for lo, hi, nbytes in _live_changes(c, slot, profile, released, kept, program.op(c.regather).operands[0]):
+            tree.add(lo, hi, nbytes)
+        trial = program.copy()
+        unshard(trial, c)
+        assert tree.max(0, len(slot)) == memory_profile(trial).peak_bytes, c.param
