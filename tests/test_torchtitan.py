@@ -166,7 +166,9 @@ def _bucketed_worker(rank, world_size, layers, reorder):
     before = [n.name for n in gm.graph.nodes]
     plain = run_step(traced, model, inputs)
     before_sim = simulate(lower(gm), model_costs)
-    ours = fxsched_pass("default", names=param_names(traced))
+    # on torchtitan's own schedule, capped at its peak: overlap-reduce-scatter's delayed waits hold
+    # their gradients (a collective reads its input until its wait), above torchtitan's peak uncapped
+    ours = fxsched_pass("memory-cap,default" if reorder else "default", names=param_names(traced))
     traced.gm = ours(gm, traced.example_inputs)
     after = [n.name for n in traced.gm.graph.nodes]
     scheduled = run_step(traced, model, inputs)
@@ -205,8 +207,9 @@ def test_llama3_bucketed_by_torchtitan_then_scheduled_is_bitwise_equal_on_two_ra
     bucket recognised with its members and copy-outs, the order changed, the simulated step and
     its exposed communication no worse (after torchtitan's whole pass: its peak memory and each
     bucket's exposed time no worse either, so fxsched undoes none of its prefetching), the step
-    bitwise equal. With torchtitan's own reordering left out (its buckets where its
-    bucketer put them), fxsched launches buckets earlier itself."""
+    bitwise equal; on torchtitan's whole pass fxsched runs capped at its peak (`memory-cap`).
+    With torchtitan's own reordering left out (its buckets where its bucketer put them),
+    fxsched launches buckets earlier itself."""
     results = run_ranks(_bucketed_worker, 2, args=(2, reorder), timeout=600)
     for rank, r in enumerate(results):
         assert len(r["plain"]) == len(r["scheduled"]) == 1 + r["params"]
@@ -217,7 +220,9 @@ def test_llama3_bucketed_by_torchtitan_then_scheduled_is_bitwise_equal_on_two_ra
         assert r["gathers"] == r["out_gathers"] == len(r["buckets"]) == 7
         assert all(bucket and params and nbytes for bucket, params, nbytes in r["buckets"])
         assert {p for _, params, _ in r["buckets"] for p in params} == set(r["param_fqns"])
-        assert r["copy_outs"] > 0 and r["reductions"] == r["reduce_scatters"] == 4 and r["overlapped"] == 4
+        assert r["copy_outs"] > 0 and r["reductions"] == r["reduce_scatters"] == 4
+        # capped at torchtitan's peak, 2 of the 4 reduce-scatters fit in flight
+        assert r["overlapped"] == (2 if reorder else 4)
         assert r["step_after"] <= r["step_before"] + 1e-9
         assert r["exposed_after"] <= r["exposed_before"] + 1e-9
         if reorder:  # on torchtitan's own schedule: at no more memory, and no bucket exposed longer
