@@ -181,6 +181,13 @@ class Schedule:
         new._flat = self._flat
         return new
 
+    def adopt(self, other: Schedule) -> None:
+        """Take `other`'s order as this schedule's, in place (those holding this schedule see
+        the new order); what `other` moved counts as moved here too. `other` must not be used
+        after: the two would share their blocks. (prefetch takes the order budget planned.)"""
+        self._blocks, self._block, self._off, self._flat = other._blocks, other._block, other._off, other._flat
+        self._moved |= other._moved
+
     def move_before(self, names: list[str], target: str) -> None:
         """Move `names` (kept in the given order) to just before `target`."""
         moving = set(names)
@@ -211,11 +218,20 @@ class Schedule:
         off.update(zip(into.names[at:], range(at, len(into.names))))
         # names moved only between the touched blocks: the starts of those after the first change
         blocks = self._blocks
-        first = min(into.at, min(b.at for b in sources))
-        last = max(into.at, max(b.at for b in sources))
-        for k in range(first + 1, last + 1):
-            before = blocks[k - 1]
-            blocks[k].start = before.start + len(before.names)
+        if len(names) == 1:  # one name to another block: the starts between shift by one
+            source = next(iter(sources)).at
+            if into.at < source:
+                for later in blocks[into.at + 1:source + 1]:
+                    later.start += 1
+            else:
+                for later in blocks[source + 1:into.at + 1]:
+                    later.start -= 1
+        else:
+            first = min(into.at, min(b.at for b in sources))
+            last = max(into.at, max(b.at for b in sources))
+            for k in range(first + 1, last + 1):
+                before = blocks[k - 1]
+                blocks[k].start = before.start + len(before.names)
         if len(into.names) >= 2 * _BLOCK:
             self._split(into)
         if any(not b.names for b in sources):

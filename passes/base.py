@@ -57,6 +57,7 @@ class PassContext:
     over the pipeline's own output sees the same); `sink` stacks realizations in it.
     `peak_cap` is the peak-memory cap in force (a `memory_cap.PeakCap`, set by the `memory-cap`
     pass; None: none), which every pass that raises memory honours.
+    `placed` is what `budget` planned, for a `prefetch` right after it to take (`budget.Planned`).
     """
 
     def __init__(self, **options: Any):
@@ -65,6 +66,7 @@ class PassContext:
         self.entry: Schedule | None = None
         self.planned: tuple[str, ...] | None = None
         self.peak_cap = None
+        self.placed = None
 
     def begin(self, program: Program) -> None:
         """A pipeline starts on `program`: forget analyses of anything else, record its order."""
@@ -72,6 +74,7 @@ class PassContext:
         self.entry = program.schedule.copy()
         self.planned = None
         self.peak_cap = None
+        self.placed = None
 
     def get(self, kind: type[Analysis], program: Program):
         if self.entry is None:

@@ -13,7 +13,7 @@ import dataclasses
 
 import attrs
 
-from ..ir import Launch, Program
+from ..ir import Launch, Program, Schedule
 from ..ir.holds import OVER_BUDGET, OVER_PEAK_CAP, UNKNOWN_SIZE
 from .base import ModulePass, PassContext, PassResult, check_budget, option, register_pass
 from .gathers import Gather, GatherAnalysis
@@ -122,9 +122,46 @@ class Budget(ModulePass):
             return reason
 
         changed = False
+        before = program.schedule.names() if room is None else None
+        admitted = []
         for g, _, reason in plan(program, analysis, order, admit):
             stats["admitted" if reason is None else reason] += 1
             if reason is not None:
                 program.replace(attrs.evolve(program.op(g.launch), hold=reason))
                 changed = True
+            else:
+                admitted.append(g)
+        # prefetch, run next on this program, would make these very moves: hand it the plan
+        ctx.placed = Planned(program, analysis, before, _marks(program, analysis), order, tuple(admitted)) \
+            if room is None else None
         return PassResult(changed, stats)
+
+
+def _marks(program: Program, analysis: GatherAnalysis) -> list[tuple[str | None, str | None]]:
+    """What `plan` reads of each gather's launch op: its anchor and hold."""
+    node = program.node_data
+    return [(op.anchor, op.hold) for op in (node[g.launch]["op"] for g in analysis.gathers)]
+
+
+@attrs.frozen(eq=False)
+class Planned:
+    """The moves budget planned, for prefetch to take instead of planning them again.
+
+    Prefetch plans with the same `plan`, on the same order, gathers, anchors and holds (budget
+    held every gather it did not admit, and prefetch skips held ones), so it would move exactly
+    `admitted`, to exactly `order`, as long as nothing changed in between: `valid` checks that the
+    program is the one planned on, the gather analysis the same object (a pass that rewrote the
+    program dropped it), its order and every gather's anchor and hold as budget left them, and no
+    peak cap in force (its headroom checks are made per move, by each pass).
+    """
+
+    program: Program
+    analysis: GatherAnalysis
+    before: list[str] | None  # the program's order when budget planned (None: not handed on)
+    marks: list[tuple[str | None, str | None]]
+    order: Schedule
+    admitted: tuple[Gather, ...]
+
+    def valid(self, program: Program, analysis: GatherAnalysis) -> bool:
+        return (self.before is not None and program is self.program and analysis is self.analysis
+                and program.schedule.names() == self.before and _marks(program, analysis) == self.marks)

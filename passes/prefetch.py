@@ -41,7 +41,14 @@ class Prefetch(ModulePass):
 
         if room is not None:
             stats[OVER_PEAK_CAP] = 0
-        for g, target, reason in plan(program, analysis, program.schedule, admit):
+        planned, ctx.placed = getattr(ctx, "placed", None), None
+        if room is None and planned is not None and planned.valid(program, analysis):
+            # budget just planned these very moves on a copy (passes/budget.py, `Planned`): take them
+            program.schedule.adopt(planned.order)
+            moves = ((g, None, None) for g in planned.admitted)
+        else:
+            moves = plan(program, analysis, program.schedule, admit)
+        for g, target, reason in moves:
             op = program.op(g.launch)
             if reason is not None:  # NO_EARLIER_SLOT, or over the peak cap: it admits everything else unheld
                 stats[reason] += 1

@@ -224,3 +224,64 @@ def test_prefetch_verifies_after_each_pass_and_is_idempotent():
     assert again.stats()["prefetch"]["forward"] + again.stats()["prefetch"]["backward"] == 0
     assert print_program(program).replace(', hold = "no earlier legal slot"', "") == before.replace(
         ', hold = "no earlier legal slot"', "")
+
+
+# ---- prefetch takes the moves budget planned ------------------------------------------------------
+
+def _generated(size=2500, seed=3):
+    from fxsched.front.generate import generate_graph
+    from fxsched.lowering import lower
+    return lower(generate_graph(size, seed=seed))
+
+
+def _count_plans(monkeypatch) -> list:
+    from fxsched.passes import prefetch as prefetch_pass
+    planned, real = [], prefetch_pass.plan
+    monkeypatch.setattr(prefetch_pass, "plan", lambda *a, **k: planned.append(1) or real(*a, **k))
+    return planned
+
+
+@pytest.mark.parametrize("pipeline,handed_on", [
+    ("reference", True), ("default", True), ("anchor,budget{max-in-flight-gb=0.05},prefetch,sink", True),
+    ("anchor,budget,sink,prefetch", False),  # sink moved launches between them: prefetch plans again
+])
+def test_prefetch_taking_budgets_plan_schedules_as_planning_again(pipeline, handed_on, monkeypatch):
+    from fxsched.passes import budget as budget_pass
+    from fxsched.passes.pipelines import PIPELINES
+
+    planned = _count_plans(monkeypatch)
+
+    def run_twice():  # the second run sees the gathers the first moved
+        program = _generated()
+        first = PassManager(PIPELINES.get(pipeline, pipeline)).run(program)
+        second = PassManager(PIPELINES.get(pipeline, pipeline)).run(program)
+        return print_program(program), first.stats(), second.stats()
+
+    taken = run_twice()
+    assert (not planned) == handed_on
+    monkeypatch.setattr(budget_pass.Planned, "valid", lambda self, program, analysis: False)
+    assert run_twice() == taken  # planned again by prefetch: the same program and counts
+    assert planned
+
+
+def test_prefetch_plans_again_when_a_hold_changed_after_budget(monkeypatch):
+    import attrs
+
+    planned = _count_plans(monkeypatch)
+    programs = []
+    for hand_on in (True, False):
+        program, ctx = _generated(), PassContext()
+        budget, prefetch = parse_pipeline("anchor,budget,prefetch")[1:]
+        parse_pipeline("anchor")[0].apply(ctx, program)
+        budget.apply(ctx, program)
+        admitted = [g.launch for g in ctx.placed.admitted]
+        assert len(admitted) > 2
+        held = program.op(admitted[1])  # held after budget admitted it: prefetch must leave it
+        program.replace(attrs.evolve(held, hold="test"))
+        if not hand_on:
+            ctx.placed = None
+        prefetch.apply(ctx, program)
+        verify(program)
+        assert not program.op(admitted[1]).prefetched and program.op(admitted[2]).prefetched
+        programs.append(print_program(program))
+    assert len(planned) == 2 and programs[0] == programs[1]

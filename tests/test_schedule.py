@@ -75,3 +75,24 @@ def test_bad_moves_and_lookups():
         schedule.move_before(["c"], "a") or schedule[3]
     assert "z" not in schedule and "a" in schedule
     assert len(Schedule()) == 0 and list(Schedule()) == []
+
+
+def test_adopt_takes_a_copys_order_and_its_moves():
+    # prefetch takes the order budget planned on a copy: the schedule object stays, its order
+    # and moved names become the copy's, and later moves work on it as on any schedule
+    order = [f"n{i}" for i in range(700)]
+    schedule = Schedule(order)
+    schedule.move_before(["n3"], "n1")
+    order = move_in_list(order, ["n3"], "n1")
+    planned = schedule.copy()
+    schedule.take_moved()
+    for names, target in ((["n650"], "n10"), (["n400", "n401"], "n200"), (["n5"], "n600")):
+        planned.move_before(names, target)
+        order = move_in_list(order, names, target)
+    held = schedule
+    schedule.adopt(planned)
+    assert held is schedule
+    check(schedule, order)
+    assert schedule.take_moved() == {"n3", "n650", "n400", "n401", "n5"}
+    schedule.move_before(["n699"], "n0")
+    check(schedule, move_in_list(order, ["n699"], "n0"))
