@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Iterator
+from itertools import compress, repeat
 from typing import Any
 
 import attrs
@@ -91,16 +93,28 @@ def gather_table(program: Program, earlier: frozenset[str] = frozenset()) -> lis
     `earlier` and gives this run's reason — it still launches where the earlier run put it (no
     pass moves a launch later), which a lower budget on the re-run does not undo."""
     rows = []
-    for op in program.ops():
-        if isinstance(op, Launch) and op.is_gather:
+    for op in _launches(program):
+        if op.is_gather:
             before = op.name in earlier
-            moved = op.prefetched and (not before or (op.hold is None and op.anchor is not None))
+            moved = _moved(op, earlier)
             rows.append({
                 "launch": op.name, "role": op.role.value, "phase": op.phase.value,
                 "params": list(op.params), "bucket": op.bucket, "nbytes": op.nbytes,
                 "moved": moved, "earlier": before and not moved, "anchor": op.anchor, "reason": op.hold,
             })
     return rows
+
+
+def _moved(op: Launch, earlier: frozenset[str]) -> bool:
+    """`gather_table`'s `moved`: by this run (a gather an earlier run moved, only where this
+    run moved it again)."""
+    return op.prefetched and (op.name not in earlier or (op.hold is None and op.anchor is not None))
+
+
+def _launches(program: Program) -> Iterator[Launch]:
+    """The program's launches in schedule order, picked out in C (no Python test per op)."""
+    ops = list(program.ops())
+    return compress(ops, map(isinstance, ops, repeat(Launch)))
 
 
 def schedule(gm: fx.GraphModule, pipeline: str = DEFAULT_PIPELINE, *, verify_each: bool = True,
@@ -123,8 +137,9 @@ def schedule(gm: fx.GraphModule, pipeline: str = DEFAULT_PIPELINE, *, verify_eac
                      instruments=instruments, cost_model=cost_model, verify_lowered=verify_lowered)
     # Tag what this run moved, as the drop-in does: lowering reads the tag back, so scheduling
     # the result again counts these gathers in flight instead of overshooting the budget.
-    moved = {row["launch"]: row["anchor"] for row in gather_table(done.program, done.earlier)
-             if row["moved"] and row["reason"] is None and row["anchor"] is not None}
+    # (gather_table's rows moved, unheld and anchored, without building the table)
+    moved = {op.name: op.anchor for op in _launches(done.program)
+             if op.is_gather and _moved(op, done.earlier) and op.hold is None and op.anchor is not None}
     for node in done.graph_module.graph.nodes:
         if node.name in moved:
             node.meta[tags.PREFETCH_ANCHOR] = moved[node.name]
@@ -160,7 +175,7 @@ def _schedule(gm: fx.GraphModule, pipeline: str, raising, *, verify_each: bool =
     with gc_paused():  # one pause for all stages: a full collection between them scans the whole graph
         gm.graph.lint()
         program = lower(gm)
-        earlier = frozenset(op.name for op in program.ops() if isinstance(op, Launch) and op.prefetched)
+        earlier = frozenset(op.name for op in _launches(program) if op.prefetched)
         result = manager.run(program, ctx)
         raised = raising(program)
     return ScheduleResult(raised, program, str(manager), result, timer, earlier, ctx)
@@ -186,11 +201,11 @@ def overlap_param_gather(graph_module: fx.GraphModule, config) -> fx.GraphModule
     stats = done.result.stats()
     prefetch = next(v for k, v in stats.items() if k.startswith("prefetch"))
     sink = next(v for k, v in stats.items() if k.startswith("sink"))
-    # only what this run moved (an earlier run's anchors stay in the meta); the program's
-    # payload is the module's own nodes
-    for row in gather_table(done.program, done.earlier):
-        if row["moved"] and row["reason"] is None:
-            done.program.payload[row["launch"]].meta[tags.PREFETCH_ANCHOR] = row["anchor"]
+    # only what this run moved (an earlier run's anchors stay in the meta): gather_table's rows
+    # moved and unheld, without building the table; the program's payload is the module's own nodes
+    for op in _launches(done.program):
+        if op.is_gather and _moved(op, done.earlier) and op.hold is None:
+            done.program.payload[op.name].meta[tags.PREFETCH_ANCHOR] = op.anchor
     graph_module.recompile()
     counts = {"forward": prefetch["forward"], "backward": prefetch["backward"], "sunk": sink["sunk"]}
     graph_module.meta[tags.PREFETCH_COUNTS] = counts

@@ -14,6 +14,7 @@ A gather of unknown size, or held by lowering, stays where it is (it ends a run)
 from __future__ import annotations
 
 import dataclasses
+from itertools import accumulate
 
 import attrs
 
@@ -47,11 +48,17 @@ class OrderGathers(ModulePass):
         # the run's first slot, wherever in the run they end up
         start = {g.launch: pos(run[0].chain[0]) for run in runs for g in run}
         limit = int(self.max_in_flight_gb * 2**30)
-        tree = MaxTree(len(schedule) + 1)
+        # the prefetched gathers' spans summed into the slots' totals, the tree built over them at
+        # once (a range add per gather was most of this pass: thousands of walks up the tree)
+        live = [0] * (len(schedule) + 2)
         for g in analysis.gathers:
             op = program.op(g.launch)
             if op.prefetched and op.nbytes:
-                tree.add(start.get(g.launch, pos(g.launch)), pos(g.first_consumer), op.nbytes)
+                lo, hi = start.get(g.launch, pos(g.launch)), pos(g.first_consumer)
+                if lo < hi:
+                    live[lo] += op.nbytes
+                    live[hi] -= op.nbytes
+        tree = MaxTree.of(list(accumulate(live[:-1])))
         stats = {"runs": len(runs), "reordered": 0, "moved ahead": 0, "over budget": 0}
         room = headroom(ctx, program)  # the joint peak-memory cap, when one is in force
         if room is not None:
