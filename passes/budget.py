@@ -2,7 +2,10 @@
 
 A prefetched gather is in flight from its new launch to its first consumer. Gathers are
 admitted in order; one that would push the in-flight total over `max-in-flight-gb`, or
-whose size is unknown, gets a `hold`. The in-flight curve lives in a max segment tree over
+whose size is unknown, gets a `hold`. Under a peak-memory cap, one whose early launch would go
+over the cap is anchored instead at the earliest slot after its anchor where it fits (a partial
+prefetch: where it was, it often launches behind collectives moved up since, and waits on them);
+a `hold` only where no slot before it fits. The in-flight curve lives in a max segment tree over
 gap/node slots of the starting order, so each check is O(log N).
 """
 
@@ -19,7 +22,7 @@ from .base import ModulePass, PassContext, PassResult, check_budget, option, reg
 from .gathers import Gather, GatherAnalysis
 from .memory_cap import MemoryAnalysis, headroom
 from .maxtree import MaxTree  # order-gathers and overlap-reduce-scatter import it from here too
-from .placement import NO_EARLIER_SLOT, plan
+from .placement import LATER_FOR_CAP, NO_EARLIER_SLOT, earliest_fit, plan
 
 
 
@@ -106,6 +109,7 @@ class Budget(ModulePass):
         room = headroom(ctx, program, order)  # the joint peak-memory cap, when one is in force
         if room is not None:
             stats[OVER_PEAK_CAP] = 0
+            stats[LATER_FOR_CAP] = 0
         for g in analysis.gathers:  # gathers moved by an earlier run stay in flight
             if program.op(g.launch).prefetched:
                 flight.keep(g)
@@ -121,16 +125,30 @@ class Budget(ModulePass):
                 move.take()
             return reason
 
+        proposed: dict[str, str] = {}  # launch -> the later slot offered where its anchor went over the cap
+
+        def later(g: Gather, reason: str, lo: int, hi: int) -> int | None:
+            # over the peak cap at its anchor: the earliest slot after it that fits (a partial
+            # prefetch), not where it was, which is often behind the collectives moved up since
+            at = earliest_fit(room, order, g, lo, hi) if reason == OVER_PEAK_CAP else None
+            if at is not None:
+                proposed[g.launch] = order[at]
+            return at
+
         changed = False
         before = program.schedule.names() if room is None else None
         admitted = []
-        for g, _, reason in plan(program, analysis, order, admit):
+        for g, target, reason in plan(program, analysis, order, admit, later if room is not None else None):
             stats["admitted" if reason is None else reason] += 1
             if reason is not None:
                 program.replace(attrs.evolve(program.op(g.launch), hold=reason))
                 changed = True
             else:
                 admitted.append(g)
+                if target is not None and proposed.get(g.launch) == target:  # prefetch moves it there
+                    stats[LATER_FOR_CAP] += 1
+                    program.replace(attrs.evolve(program.op(g.launch), anchor=target))
+                    changed = True
         # prefetch, run next on this program, would make these very moves: hand it the plan
         ctx.placed = Planned(program, analysis, before, _marks(program, analysis), order, tuple(admitted)) \
             if room is None else None

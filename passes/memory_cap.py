@@ -211,6 +211,11 @@ class Headroom:
         ranges = [(lo, self.slot(n), alloc[n]) for n in names if alloc.get(n, 0) > 0]
         return Move(self, {n: lo for n in names}, ranges)
 
+    def fits_earlier(self, names, target: str) -> bool:
+        """Whether `earlier(names, target)` fits the curve as counted now (counts nothing, reads
+        no exact curve): a cheap probe for searching slots, each taken move checked by `earlier`."""
+        return self._fits(self._earlier(names, target).ranges)
+
     def later(self, name: str, target: str) -> Move | None:
         """`name` moving down to just before `target`: its result is live from there on, and a
         storage it is the last to keep alive (`cost.simulate.keeps_alive`: an op its operands, a

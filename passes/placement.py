@@ -2,23 +2,32 @@
 
 Shared by `budget` (which plans on a scratch copy to decide what fits) and `prefetch`
 (which applies the plan). A chain goes just before the later of its anchor and the slot
-after its latest predecessor — legality is read off the graph's edges, nothing else.
+after its latest predecessor — legality is read off the graph's edges, nothing else — or, where
+that goes over the peak-memory cap, just before the earliest slot after it that fits.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 
-from ..ir import Launch, Program, Schedule
+from ..ir import Cast, CopyOut, Launch, Program, Schedule, View, Wait
 from ..ir.holds import NO_EARLIER_SLOT  # noqa: F401  (budget and prefetch import it from here)
 from .gathers import Gather, GatherAnalysis
+from .memory_cap import Headroom
 
+LATER_FOR_CAP = "later for peak cap"  # statistic: anchored over the cap, moved to the earliest slot after that fits
+_COMMUNICATION = (Launch, Wait, View, Cast, CopyOut)  # the ops of launch chains and realizations
+#: (gather, why admit refused, its position, the chain's first position) -> a later position to try
+Later = Callable[[Gather, str, int, int], int | None]
 
 
 def plan(program: Program, analysis: GatherAnalysis, schedule: Schedule,
-         admit: Callable[[Gather, str], str | None] = lambda g, t: None
+         admit: Callable[[Gather, str], str | None] = lambda g, t: None, later: Later | None = None
          ) -> Iterator[tuple[Gather, str | None, str | None]]:
-    """Move anchored, unheld chains on `schedule`; yield (gather, target, reason it stayed)."""
+    """Move anchored, unheld chains on `schedule`; yield (gather, target, reason it stayed).
+
+    Where `admit` refuses the target and `later` names a position between it and the chain, the
+    chain goes there instead if `admit` takes that (a partial prefetch)."""
     node, pred = program.node_data, program.predecessors  # raw dicts: views cost more here
     pos = schedule.index
     for g in analysis.gathers:
@@ -29,11 +38,38 @@ def plan(program: Program, analysis: GatherAnalysis, schedule: Schedule,
         # just before the anchor, and after everything the chain reads or must follow
         outside = [p for name in g.chain for p in pred[name] if p not in chain]
         position = max(pos(op.anchor), max(map(pos, outside), default=-1) + 1)
-        if position >= min(map(pos, g.chain)):
+        first = min(map(pos, g.chain))
+        if position >= first:
             yield g, None, NO_EARLIER_SLOT
             continue
         target = schedule[position]
         reason = admit(g, target)
+        if reason is not None and later is not None:
+            at = later(g, reason, position, first)
+            if at is not None and position < at < first and admit(g, schedule[at]) is None:
+                target, reason = schedule[at], None
         if reason is None:
             schedule.move_before(list(g.chain), target)
         yield g, target, reason
+
+
+def earliest_fit(room: Headroom, schedule: Schedule, g: Gather, lo: int, hi: int) -> int | None:
+    """The earliest position in (lo, hi) before which `g`'s chain fits the peak cap as `room`
+    counts it, or None: a chain holds its bytes from its slot on, so a later slot adds less
+    (a binary search; the move itself is checked again when taken)."""
+    if hi - lo < 2 or not room.fits_earlier(g.chain, schedule[hi - 1]):
+        return None
+    lo += 1
+    hi -= 1
+    last = hi
+    while lo < hi:  # fits at hi; not known at lo
+        mid = (lo + hi) // 2
+        if room.fits_earlier(g.chain, schedule[mid]):
+            hi = mid
+        else:
+            lo = mid + 1
+    # it becomes the gather's anchor: not an op of communication, which a rewrite may erase
+    # (bucket merges launches) or a pass move; the first other op from there (later fits too)
+    while hi <= last and isinstance(room.program.op(schedule[hi]), _COMMUNICATION):
+        hi += 1
+    return hi if hi <= last else None

@@ -2,6 +2,8 @@
 
 Gathers go one at a time in launch order, so a chain placed right after a predecessor lands
 ahead of chains placed there before it. A chain with no earlier legal slot gets a `hold`.
+Under a peak-memory cap, a chain that would go over it there goes to the earliest slot after
+that fits (and that becomes its anchor), as `budget` plans it; a `hold` only where none does.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from ..ir import Phase, Program
 from .base import ModulePass, PassContext, PassResult, register_pass
 from .gathers import GatherAnalysis
 from .memory_cap import OVER_PEAK_CAP, headroom
-from .placement import NO_EARLIER_SLOT, plan
+from .placement import LATER_FOR_CAP, NO_EARLIER_SLOT, earliest_fit, plan
 
 
 @register_pass
@@ -39,15 +41,26 @@ class Prefetch(ModulePass):
             move.take()
             return None
 
+        proposed: dict[str, str] = {}
+
+        def later(g, reason: str, lo: int, hi: int) -> int | None:
+            # over the cap at its anchor (budget, when it ran first, moved such anchors already):
+            # the earliest slot after it that fits
+            at = earliest_fit(room, program.schedule, g, lo, hi) if reason == OVER_PEAK_CAP else None
+            if at is not None:
+                proposed[g.launch] = program.schedule[at]
+            return at
+
         if room is not None:
             stats[OVER_PEAK_CAP] = 0
+            stats[LATER_FOR_CAP] = 0
         planned, ctx.placed = getattr(ctx, "placed", None), None
         if room is None and planned is not None and planned.valid(program, analysis):
             # budget just planned these very moves on a copy (passes/budget.py, `Planned`): take them
             program.schedule.adopt(planned.order)
             moves = ((g, None, None) for g in planned.admitted)
         else:
-            moves = plan(program, analysis, program.schedule, admit)
+            moves = plan(program, analysis, program.schedule, admit, later if room is not None else None)
         for g, target, reason in moves:
             op = program.op(g.launch)
             if reason is not None:  # NO_EARLIER_SLOT, or over the peak cap: it admits everything else unheld
@@ -56,6 +69,9 @@ class Prefetch(ModulePass):
                 continue
             stats["forward" if g.phase is Phase.FORWARD else "backward"] += 1
             stats["moved_nodes"] += len(g.chain)
+            if target is not None and proposed.get(g.launch) == target:  # its anchor is where it went
+                stats[LATER_FOR_CAP] += 1
+                op = attrs.evolve(op, anchor=target)
             program.replace(attrs.evolve(op, prefetched=True))
         return PassResult(stats["forward"] + stats["backward"] > 0 or stats[NO_EARLIER_SLOT] > 0
                           or stats.get(OVER_PEAK_CAP, 0) > 0, stats)

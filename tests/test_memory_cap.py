@@ -35,6 +35,8 @@ from fxsched.passes.memory_cap import MemoryCap, cap_bytes, over_cap, resolve_ca
 
 from fxsched.runtime import run_ranks
 
+from irtest import dedent
+
 from ranks import GIB, WORLD, check_bitwise, rank_feeds, run_all
 from test_properties import _graph, examples, graph_options, ir_programs, pipelines
 
@@ -133,7 +135,7 @@ def test_model_pipelines_never_exceed_the_cap(model_programs, case, budget, rewr
 
 # ---- what the cap does -----------------------------------------------------------------
 
-def test_a_cap_at_the_input_peak_keeps_the_peak_and_holds_with_a_reason(gpt):
+def test_a_cap_at_the_input_peak_keeps_the_peak_and_prefetches_less_far(gpt):
     uncapped = gpt.copy()
     PassManager("default").run(uncapped)
     assert memory_profile(uncapped).peak_bytes > memory_profile(gpt).peak_bytes  # the cap binds
@@ -141,14 +143,14 @@ def test_a_cap_at_the_input_peak_keeps_the_peak_and_holds_with_a_reason(gpt):
     result, ctx = _run(program, "memory-cap,default")
     assert memory_profile(program).peak_bytes == memory_profile(gpt).peak_bytes
     assert cap_bytes(ctx) == memory_profile(gpt).peak_bytes
-    held = [op for op in program.ops() if isinstance(op, Launch) and op.hold == OVER_PEAK_CAP]
-    assert held
     stats = result.stats()
     assert stats["memory-cap"]["cap_bytes"] == memory_profile(gpt).peak_bytes
-    assert stats["budget"][OVER_PEAK_CAP] > 0
+    # the gathers whose anchor is over the cap launch at the earliest slot after it that fits
+    # (19; held where they were before, at 0.9447 ms against 0.7975 now, 0.7860 uncapped)
+    assert stats["budget"]["later for peak cap"] > 0 and stats["budget"][OVER_PEAK_CAP] == 0
     assert "simulated peak memory" in explain_hold(OVER_PEAK_CAP)
-    # moves that fit still happen: the step is shorter than the input's
-    assert simulate(program).step_ms < simulate(gpt).step_ms
+    # the step is shorter than the input's, and within 2% of the uncapped one's
+    assert simulate(program).step_ms < min(simulate(gpt).step_ms, simulate(uncapped).step_ms * 1.02)
 
 
 def test_a_loose_cap_changes_nothing(gpt):
@@ -455,3 +457,40 @@ def test_headroom_counts_never_under_count_the_simulated_curve(model_programs, c
             mp.setattr(module, "headroom", recording)
         PassManager("memory-cap{max-peak-gb=1000.0,try-unchecked=false},default", instruments=[check]).run(program)
     assert check.checked > 0
+
+
+# ---- a gather over the cap at its anchor goes to the earliest slot after it that fits ------------
+
+PEAK_BETWEEN = '''
+    %x = input : f32[16]
+    %w = input : f32[256]
+    ^entry
+    %big = compute "aten.mul"(%x) : f32[2048]
+    %s = compute "aten.sum"(%big) : f32[1]
+    %c1 = compute "aten.mul"(%x) : f32[16]
+    %c2 = compute "aten.mul"(%c1) : f32[16]
+    %c3 = compute "aten.mul"(%c2) : f32[16]
+    %a = launch "ag"(%w) {role = fsdp_all_gather, nbytes = 2048, params = ["w"], anchor = %big} : f32[512]
+    %t = wait(%a)
+    %m = compute "aten.mm"(%c3, %t) : f32[16]
+    %output = output(%m, %s)
+'''
+
+
+@pytest.mark.parametrize("pipeline", ["budget,prefetch", "prefetch"])
+def test_a_gather_over_the_cap_at_its_anchor_goes_to_the_earliest_slot_that_fits(pipeline):
+    # %big (8 KiB) is the peak, live until %s reads it: the gather's 2 KiB fits from %c1 on
+    program = parse_program(dedent(PEAK_BETWEEN))
+    peak = memory_profile(program).peak_bytes
+    result, _ = _run(program, f"memory-cap{{max-peak-increase-gb=0.0}},{pipeline}")
+    launch = program.op("a")
+    assert launch.hold is None and launch.prefetched and launch.anchor == "c1"
+    names = program.schedule.names()
+    assert names.index("a") == names.index("c1") - 1
+    assert memory_profile(program).peak_bytes == peak
+    first = pipeline.split(",")[0]
+    assert result.stats()[first]["later for peak cap"] == 1 and result.stats()[first][OVER_PEAK_CAP] == 0
+    # %big read by %c3 too: live up to the gather's own slot, so no slot before it fits: held there
+    program = parse_program(dedent(PEAK_BETWEEN).replace('"aten.mul"(%c2)', '"aten.mul"(%c2, %big)'))
+    result, _ = _run(program, f"memory-cap{{max-peak-increase-gb=0.0}},{pipeline}")
+    assert program.op("a").hold == OVER_PEAK_CAP and not program.op("a").prefetched
