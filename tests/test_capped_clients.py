@@ -41,9 +41,11 @@ RUNS = (("rewrites at input peak", "default,bucket,unshard", "input"),
         ("rewrites at inductor peak", "default,bucket,unshard", "inductor"))
 
 
-def _capped(pipeline: str, where: str, peer_peak: int | None) -> str:
+def _capped(pipeline: str, where: str | None, peer_peak: int | None) -> str:
     from fxsched.passes.memory_cap import with_cap
 
+    if where is None:  # no cap set (rewrites keep the peak of the program they get)
+        return pipeline
     if where == "input":
         return with_cap(pipeline, max_peak_increase_gb=0.0)   # 0 over the input's peak: the input's peak
     return with_cap(pipeline, max_peak_gb=peer_peak / GIB)
@@ -171,7 +173,12 @@ def _peak(gm, phase: str | None) -> int:
         return simulate(lower(gm)).peak_bytes
 
 
-def _compile_worker(rank, world_size, cases, layers):
+def _peer_peak(runs, peak) -> int | None:
+    """Inductor's peak (`peak()`, agreed by the ranks) where a run is capped there; else None."""
+    return _agreed(peak()) if any(where == "inductor" for _, _, where in runs) else None
+
+
+def _compile_worker(rank, world_size, cases, layers, runs=RUNS):
     sys.path.insert(0, BENCH)
     from simple_fsdp import simple_fsdp
 
@@ -185,14 +192,14 @@ def _compile_worker(rank, world_size, cases, layers):
         simple_fsdp(module, world_size, rank, param_dtype=dtype)
         graphs = [(gm, graph_phase(gm.graph), args)
                   for gm, args in _compiled_graphs(module, inputs, loss_fn, {"fallback_by_default": True})]
-        peer = _agreed(max(_inductor_peak(gm, phase) for gm, phase, _ in graphs))
+        peer = _peer_peak(runs, lambda: max(_inductor_peak(gm, phase) for gm, phase, _ in graphs))
         plain = [_run(gm, args) for gm, _, args in graphs]
-        runs = {}
-        for label, pipeline, where in RUNS:
+        ran = {}
+        for label, pipeline, where in runs:
             done = [_scheduled(gm, phase, _capped(pipeline, where, peer)) for gm, phase, _ in graphs]
-            runs[label] = ([_run(gm, args) for (gm, _), (_, _, args) in zip(done, graphs)],
-                           _records([record for _, record in done]))
-        out[(name, str(dtype))] = {"plain": plain, "runs": runs, "peer_peak": peer}
+            ran[label] = ([_run(gm, args) for (gm, _), (_, _, args) in zip(done, graphs)],
+                          _records([record for _, record in done]))
+        out[(name, str(dtype))] = {"plain": plain, "runs": ran, "peer_peak": peer}
     return out
 
 
@@ -240,7 +247,7 @@ except Exception:  # noqa: BLE001 — absent, or present without the packages it
     HAVE_TORCHTITAN = False
 
 
-def _titan_worker(rank, world_size, layers):
+def _titan_worker(rank, world_size, layers, runs=RUNS):
     sys.path.insert(0, BENCH)
     from peers import copy_module
     from titan import build_llama3, rematerialise, run_step, trace_step
@@ -254,16 +261,16 @@ def _titan_worker(rank, world_size, layers):
     traced = rematerialise(trace_step(model, inputs))
     original = traced.gm
     plain = [run_step(traced, model, inputs)]
-    peer = _agreed(_inductor_peak(original, None))
-    runs = {}
-    for label, pipeline, where in RUNS:
+    peer = _peer_peak(runs, lambda: _inductor_peak(original, None))
+    ran = {}
+    for label, pipeline, where in runs:
         ours = fxsched_pass(_capped(pipeline, where, peer), names=param_names(traced))
         traced.gm = ours(copy_module(original), traced.example_inputs)
         (record,) = ours.runs
         record["raised_peak"] = _peak(traced.gm, None)
-        runs[label] = ([run_step(traced, model, inputs)], _records([record]))
+        ran[label] = ([run_step(traced, model, inputs)], _records([record]))
         traced.gm = original
-    return {("llama3-debug", layers): {"plain": plain, "runs": runs, "peer_peak": peer}}
+    return {("llama3-debug", layers): {"plain": plain, "runs": ran, "peer_peak": peer}}
 
 
 @pytest.mark.multirank
