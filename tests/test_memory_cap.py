@@ -146,11 +146,11 @@ def test_a_cap_at_the_input_peak_keeps_the_peak_and_prefetches_less_far(gpt):
     stats = result.stats()
     assert stats["memory-cap"]["cap_bytes"] == memory_profile(gpt).peak_bytes
     # the gathers whose anchor is over the cap launch at the earliest slot after it that fits
-    # (19; held where they were before, at 0.9447 ms against 0.7975 now, 0.7860 uncapped)
+    # (held where they were before: with inputs counted live until their waits, 0.8055 ms now)
     assert stats["budget"]["later for peak cap"] > 0 and stats["budget"][OVER_PEAK_CAP] == 0
     assert "simulated peak memory" in explain_hold(OVER_PEAK_CAP)
-    # the step is shorter than the input's, and within 2% of the uncapped one's
-    assert simulate(program).step_ms < min(simulate(gpt).step_ms, simulate(uncapped).step_ms * 1.02)
+    # the step is shorter than the input's, and within 3% of the uncapped one's (0.8055 against 0.7855)
+    assert simulate(program).step_ms < min(simulate(gpt).step_ms, simulate(uncapped).step_ms * 1.03)
 
 
 def test_a_loose_cap_changes_nothing(gpt):
@@ -181,7 +181,9 @@ def _model(name, width, mp, buckets=None):
 
 
 @pytest.mark.parametrize("name, buckets, myopic", [
-    ("llama", "per-module", True),   # checked move by move, the same cap costs 1.5308 against 1.5198 ms
+    # checked move by move, the same cap cost 1.5308 against 1.5198 ms here until gathers over
+    # the cap launched at the earliest slot that fits (budget's partial prefetch): now 1.5198
+    ("llama", "per-module", False),
     ("gpt", None, False),
     ("encoder", None, False),
 ])
