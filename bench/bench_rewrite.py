@@ -1,7 +1,9 @@
 """Benchmark: the rewriting passes (`bucket`, `unshard`) after the default pipeline — their CPU
 time against the default pipeline's own, and what they buy (simulated step and peak).
 
-    .venv/bin/python bench/bench_rewrite.py [--sizes 10000 30000 100000] [--models] [--profile PASS]
+    .venv/bin/python bench/bench_rewrite.py [--sizes 10000 30000 100000] [--models] [--passes bucket] [--profile PASS]
+
+Writes each row as it is measured to bench/out/rewrite.json (`--out`), a JSON list.
 
 Per graph: the default pipeline runs once on the lowered program (CPU seconds, verify after each
 pass, as `fxsched.schedule` does); then each rewriting pass runs on its own copy of that result
@@ -20,6 +22,7 @@ import gc
 import hashlib
 import io
 import json
+import os
 import pstats
 import time
 
@@ -27,6 +30,7 @@ from fxsched.cost.simulate import simulate
 from fxsched.lowering import lower
 from fxsched.passes import DEFAULT_PIPELINE, PassManager, parse_pipeline
 
+OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "out")
 REWRITES = {"bucket": "bucket", "unshard": "unshard{max-peak-increase-gb=1.0}"}
 
 
@@ -76,7 +80,17 @@ def main() -> None:
     parser.add_argument("--models", action="store_true")
     parser.add_argument("--passes", nargs="+", default=list(REWRITES), choices=list(REWRITES))
     parser.add_argument("--profile", choices=list(REWRITES))
+    parser.add_argument("--out", default=OUT)
     args = parser.parse_args()
+    os.makedirs(args.out, exist_ok=True)
+    path = os.path.join(args.out, "rewrite.json")
+
+    def record(row):
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+        with open(path, "w") as f:
+            json.dump(rows, f, indent=1)
+
     rewrites = {k: REWRITES[k] for k in args.passes}
     rows = []
     if args.models:
@@ -86,13 +100,11 @@ def main() -> None:
             for width in (32, 1024):
                 module, inputs, loss = build_model(name, layers=2, width=width, seed=1)
                 front = fsdp_joint_graph(module, inputs, lambda m, *xs: loss(m(*xs), *xs), 2)
-                rows.append(measure(f"{name} L2 w{width}", front.gm, rewrites, args.profile))
-                print(json.dumps(rows[-1]), flush=True)
+                record(measure(f"{name} L2 w{width}", front.gm, rewrites, args.profile))
     from fxsched.front.generate import generate_graph
     for size in args.sizes:
         gm = generate_graph(size, seed=0)
-        rows.append(measure(f"generated {size}", gm, rewrites, args.profile))
-        print(json.dumps(rows[-1]), flush=True)
+        record(measure(f"generated {size}", gm, rewrites, args.profile))
         del gm
 
 

@@ -13,21 +13,27 @@ member at a time (`_GatherGrowth`): each member's checks, ops, prices and change
 are made once, when it joins, so a trial costs its stretch and the bucket's own ops, not a plan
 of every member; the bucket taken is planned whole once and merged once. This chooses what
 merging on a copy and simulating the whole program per trial chose (tests/test_pass_bucket.py
-checks it). What is left is the stretch: a bucket of K members simulates its stretch K times
-(the stretch grows with K), and where gathers are launched long before their waits (the
-generated graphs prefetch the whole forward), each trial's stretch is that long.
+checks it). The trials of one bucket share one run of the program as it is (`_SharedBaseSweep`:
+the base is stepped once per bucket, not once per trial) and step only the ops that can move a
+clock. What is left is the stretch: a bucket of K members steps its trial K times over a
+stretch that reaches its last member's wait, and where gathers are launched long before their
+waits (the generated graphs launch a forward's gathers back to back), that stretch is long: the
+trial program is not the base shifted anywhere before it (the base waits exposed on each
+gather, the trial's compute runs ahead of its stream), so no state of one can be reused for the
+other.
 """
 
 from __future__ import annotations
 
 import math
+from bisect import bisect_left, insort
 from collections import Counter
 
 import attrs
 
 from ..cost.model import Roofline, is_zero_cost
-from ..cost.simulate import (OTHER, MemoryProfile, Sweep, alloc_bytes, keeper_slots, last_kept, memory_profile,
-                             op_getter, step_of, steps_of)
+from ..cost.simulate import (LAUNCH, OTHER, WAIT, MemoryProfile, Sweep, alloc_bytes, keeper_slots, last_kept,
+                             memory_profile, op_getter, step_of, steps_of)
 from ..ir import EFFECT, Free, Program, View, Wait
 from ..ir.effects import storage_readers, storage_root
 from ..ir.rewriter import RewriteError
@@ -54,6 +60,139 @@ class Trial:
     inflight_bytes: int
 
 
+class _SharedBaseSweep(Sweep):
+    """`Sweep` whose trials between two makes share one run of the program as it is (the base).
+
+    `Sweep.trial` steps the base and the trial side by side from the trial's first slot; the
+    trials of one bucket all start there and the base does not change until a bucket is made, so
+    here the base is stepped once, on demand, and its state kept at each slot a trial reads it
+    (its time, exposure and streams; which collectives it has in flight, from where each was
+    launched and waited). A trial then steps only its own clock, and only over the slots that can
+    move it: an op that is not a collective and is priced at nothing steps no clock (`t + 0.0`),
+    so it is passed over, unless a change puts steps before it. Same comparisons, same floating
+    point operations in the same order: the same results as `Sweep.trial`."""
+
+    def __init__(self, order: list[str], steps):
+        super().__init__(order, steps)
+        self.live = [i for i, n in enumerate(order) if steps[n][0] != OTHER or steps[n][1] != 0.0]
+        self.live_names = {order[i] for i in self.live}
+        self.base = None   # the shared run: its first slot and state (see `_base`)
+
+    def make(self, skip: set[str], before: dict[str, list]) -> None:
+        super().make(skip, before)
+        self.base = None
+        self._anchor(before)
+
+    def _anchor(self, before) -> None:
+        """Slots with new steps before them are stepped, whatever their own op."""
+        for name in before:
+            if name not in self.live_names:
+                self.live_names.add(name)
+                i = self.order.index(name)
+                if self.base is not None and bisect_left(self.live, i) < self.base["next"]:
+                    self.base["next"] += 1  # (a slot the base passed: nothing of its own to step there)
+                insort(self.live, i)
+
+    def trial(self, at: int, end: int, skip: set[str], before: dict[str, list]) -> tuple[float, float, int]:
+        self._anchor(before)
+        self.advance(at)
+        base = self._base(at)
+        trial = self.clock.fork()
+        steps, cur_skip, cur_before, order, live = self.steps, self.skip, self.before, self.order, self.live
+        j = bisect_left(live, at)
+        end_live = end < len(order) and order[end] in self.live_names
+        while j < len(live):
+            i = live[j]
+            if not end_live and i > end:   # the check at `end`, an op that steps nothing
+                end_live = True
+                if order[end] not in cur_skip and self._same(base, end, trial):
+                    return self._result(base, end, trial, True)
+            name = order[i]
+            for new, s in cur_before.get(name, ()):
+                trial.step(new, s)
+            for new, s in before.get(name, ()):
+                trial.step(new, s)
+            if name not in cur_skip:
+                s = steps[name]
+                if name not in skip:
+                    trial.step(name, s)
+                if i >= end and (s[0] != OTHER or i == end) and self._same(base, i, trial):
+                    return self._result(base, i, trial, True)
+            j += 1
+        if not end_live and order[end] not in cur_skip and self._same(base, end, trial):
+            return self._result(base, end, trial, True)
+        return self._result(base, len(order) - 1, trial, False)
+
+    def _base(self, at: int) -> dict:
+        """The shared run from slot `at` (stepped no further than a trial asked)."""
+        if self.base is None or self.base["at"] != at:
+            clock = self.clock.fork()
+            self.base = {"at": at, "clock": clock, "next": bisect_left(self.live, at), "start": set(clock.pending),
+                         "launched": {}, "waited": {}, "state": {},
+                         "first": (clock.t, clock.exposed, dict(clock.free), len(clock.pending))}
+        return self.base
+
+    def _state(self, base: dict, i: int) -> tuple:
+        """The base's (t, exposed, streams, collectives in flight) just after slot `i`."""
+        state = base["state"]
+        if i in state:
+            return state[i]
+        live, order, steps = self.live, self.order, self.steps
+        cur_skip, cur_before, clock = self.skip, self.before, base["clock"]
+        launched, waited = base["launched"], base["waited"]
+        j = base["next"]
+        while j < len(live) and live[j] <= i:
+            k = live[j]
+            name = order[k]
+            for new, s in cur_before.get(name, ()):
+                _in_flight(clock, new, s, k, launched, waited)
+                clock.step(new, s)
+            if name not in cur_skip:
+                s = steps[name]
+                _in_flight(clock, name, s, k, launched, waited)
+                clock.step(name, s)
+            state[k] = (clock.t, clock.exposed, dict(clock.free), len(clock.pending))
+            j += 1
+        base["next"] = j
+        if i not in state:  # a slot that steps nothing: as after the last one before it that does
+            k = bisect_left(live, i) - 1
+            state[i] = state[live[k]] if k >= 0 and live[k] >= base["at"] else base["first"]
+        return state[i]
+
+    def _same(self, base: dict, i: int, trial, tol: float = 1e-9) -> bool:
+        """`Clock.same` of the base just after slot `i` and `trial`, without the base's clock:
+        the same collectives in flight (as many, and each of the trial's in flight in the base,
+        from where the base launched and waited it), each as far ahead of its compute time."""
+        a, _, free, count = self._state(base, i)
+        if count != len(trial.pending):
+            return False
+        b = trial.t
+        for stream in free.keys() | trial.free.keys():
+            if abs(max(free.get(stream, 0.0) - a, 0.0) - max(trial.free.get(stream, 0.0) - b, 0.0)) > tol:
+                return False
+        start, launched, waited, ends = base["start"], base["launched"], base["waited"], base["clock"].ends
+        for n in trial.pending:
+            if not (n in start or launched.get(n, math.inf) <= i) or waited.get(n, math.inf) <= i:
+                return False
+            if abs(max(ends.get(n) - a, 0.0) - max(trial.ends.get(n) - b, 0.0)) > tol:
+                return False
+        return True
+
+    def _result(self, base: dict, i: int, trial, converged: bool) -> tuple[float, float, int]:
+        t, exposed, free, _ = self._state(base, i)
+        if converged:
+            return trial.t - t, trial.exposed - exposed, trial.close_level()
+        return trial.step_ms() - max(t, max(free.values(), default=0.0)), trial.exposed - exposed, trial.close_level()
+
+
+def _in_flight(clock, name: str, s: tuple, at: int, launched: dict, waited: dict) -> None:
+    """Record where stepping `name` at slot `at` launches a collective, or waits one `clock` has in flight."""
+    if s[0] == LAUNCH:
+        launched[name] = at
+    elif s[0] == WAIT and s[3] in clock.pending:
+        waited[s[3]] = at
+
+
 class Trials:
     """Tries buckets of one run on the program: `evaluate` without rewriting it, `make` after
     the bucket was merged. Each trial is simulated only from its first member until the program
@@ -64,7 +203,7 @@ class Trials:
         self.program, self.costs, self.model = program, costs, model
         order = program.schedule.names()
         self.slot = {n: i for i, n in enumerate(order)}
-        self.sweep = Sweep(order, steps_of(program, costs))
+        self.sweep = _SharedBaseSweep(order, steps_of(program, costs))
         self.profile = profile = memory_profile(program)
         self.tree = MaxTree.of(list(profile.live))
         self.released = {buf: i for i, bufs in profile.releases.items() for buf in bufs}

@@ -347,3 +347,40 @@ def test_each_trials_peak_is_the_simulated_peak_of_its_merge(default_programs, c
                         grow.evaluate(joined)
                 grow.close(None, members)
     assert checked > 0
+
+
+@settings(max_examples=10, deadline=None)
+@given(layers=st.integers(1, 3), buckets=st.booleans(), mixed_precision=st.booleans(), barriers=st.booleans(),
+       seed=st.integers(0, 2**16), extra=st.integers(0, 400), min_saved=st.sampled_from([0.0, 0.001]))
+def test_trials_sharing_one_base_run_give_what_sweep_trial_gives(layers, buckets, mixed_precision,
+                                                                 barriers, seed, extra, min_saved):
+    """Every trial the pass makes, answered by the sweep that steps the program as it is once per
+    bucket and passes over ops that step no clock, is answered exactly (same floats) as
+    `Sweep.trial`, which steps both programs side by side, answers it."""
+    from fxsched.cost.simulate import Sweep
+    from fxsched.passes import bucket_trials
+
+    answers = []
+
+    class Both(bucket_trials._SharedBaseSweep):
+        def __init__(self, order, steps):
+            super().__init__(order, steps)
+            self.plain = Sweep(order, steps)
+
+        def make(self, skip, before):
+            super().make(skip, before)
+            self.plain.make(skip, before)
+
+        def trial(self, at, end, skip, before):
+            got = super().trial(at, end, skip, before)
+            want = self.plain.trial(at, end, skip, before)
+            answers.append((got, want))
+            return got
+
+    options = dict(layers=layers, buckets=buckets, mixed_precision=mixed_precision, barriers=barriers, seed=seed)
+    program = lower(generate_graph(min_nodes(**options) + extra, **options))
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(bucket_trials, "_SharedBaseSweep", Both)
+        PassManager(f"default,bucket{{min-saved-ms={min_saved}}}").run(program)
+    assert answers
+    assert all(got == want for got, want in answers), next((g, w) for g, w in answers if g != w)
