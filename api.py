@@ -111,6 +111,12 @@ def _moved(op: Launch, earlier: frozenset[str]) -> bool:
     return op.prefetched and (op.name not in earlier or (op.hold is None and op.anchor is not None))
 
 
+def _moved_unheld(program: Program, earlier: frozenset[str]) -> Iterator[Launch]:
+    """The gathers `gather_table` shows moved by this run and unheld, without building the table:
+    what `schedule` and the drop-in tag."""
+    return (op for op in _launches(program) if op.is_gather and _moved(op, earlier) and op.hold is None)
+
+
 def _launches(program: Program) -> Iterator[Launch]:
     """The program's launches in schedule order, picked out in C (no Python test per op)."""
     ops = list(program.ops())
@@ -137,9 +143,7 @@ def schedule(gm: fx.GraphModule, pipeline: str = DEFAULT_PIPELINE, *, verify_eac
                      instruments=instruments, cost_model=cost_model, verify_lowered=verify_lowered)
     # Tag what this run moved, as the drop-in does: lowering reads the tag back, so scheduling
     # the result again counts these gathers in flight instead of overshooting the budget.
-    # (gather_table's rows moved, unheld and anchored, without building the table)
-    moved = {op.name: op.anchor for op in _launches(done.program)
-             if op.is_gather and _moved(op, done.earlier) and op.hold is None and op.anchor is not None}
+    moved = {op.name: op.anchor for op in _moved_unheld(done.program, done.earlier) if op.anchor is not None}
     for node in done.graph_module.graph.nodes:
         if node.name in moved:
             node.meta[tags.PREFETCH_ANCHOR] = moved[node.name]
@@ -201,11 +205,10 @@ def overlap_param_gather(graph_module: fx.GraphModule, config) -> fx.GraphModule
     stats = done.result.stats()
     prefetch = next(v for k, v in stats.items() if k.startswith("prefetch"))
     sink = next(v for k, v in stats.items() if k.startswith("sink"))
-    # only what this run moved (an earlier run's anchors stay in the meta): gather_table's rows
-    # moved and unheld, without building the table; the program's payload is the module's own nodes
-    for op in _launches(done.program):
-        if op.is_gather and _moved(op, done.earlier) and op.hold is None:
-            done.program.payload[op.name].meta[tags.PREFETCH_ANCHOR] = op.anchor
+    # only what this run moved (an earlier run's anchors stay in the meta); the program's payload
+    # is the module's own nodes
+    for op in _moved_unheld(done.program, done.earlier):
+        done.program.payload[op.name].meta[tags.PREFETCH_ANCHOR] = op.anchor
     graph_module.recompile()
     counts = {"forward": prefetch["forward"], "backward": prefetch["backward"], "sunk": sink["sunk"]}
     graph_module.meta[tags.PREFETCH_COUNTS] = counts

@@ -22,7 +22,7 @@ from .base import ModulePass, PassContext, PassResult, check_budget, option, reg
 from .gathers import Gather, GatherAnalysis
 from .memory_cap import MemoryAnalysis, headroom
 from .maxtree import MaxTree  # order-gathers and overlap-reduce-scatter import it from here too
-from .placement import LATER_FOR_CAP, NO_EARLIER_SLOT, earliest_fit, plan
+from .placement import LATER_FOR_CAP, NO_EARLIER_SLOT, LaterForCap, plan
 
 
 
@@ -125,33 +125,27 @@ class Budget(ModulePass):
                 move.take()
             return reason
 
-        proposed: dict[str, str] = {}  # launch -> the later slot offered where its anchor went over the cap
-
-        def later(g: Gather, reason: str, lo: int, hi: int) -> int | None:
-            # over the peak cap at its anchor: the earliest slot after it that fits (a partial
-            # prefetch), not where it was, which is often behind the collectives moved up since
-            at = earliest_fit(room, order, g, lo, hi) if reason == OVER_PEAK_CAP else None
-            if at is not None:
-                proposed[g.launch] = order[at]
-            return at
+        # over the peak cap at its anchor: the earliest slot after it that fits (a partial
+        # prefetch), not where it was, which is often behind the collectives moved up since
+        later = LaterForCap(room, order) if room is not None else None
 
         changed = False
-        before = program.schedule.names() if room is None else None
         admitted = []
-        for g, target, reason in plan(program, analysis, order, admit, later if room is not None else None):
+        for g, target, reason in plan(program, analysis, order, admit, later):
             stats["admitted" if reason is None else reason] += 1
             if reason is not None:
                 program.replace(attrs.evolve(program.op(g.launch), hold=reason))
                 changed = True
             else:
                 admitted.append(g)
-                if target is not None and proposed.get(g.launch) == target:  # prefetch moves it there
+                if later is not None and later.took(g, target):  # prefetch moves it there
                     stats[LATER_FOR_CAP] += 1
                     program.replace(attrs.evolve(program.op(g.launch), anchor=target))
                     changed = True
         # prefetch, run next on this program, would make these very moves: hand it the plan
-        ctx.placed = Planned(program, analysis, before, _marks(program, analysis), order, tuple(admitted)) \
-            if room is None else None
+        # (budget moves no op of the program: its order is the one planned on)
+        ctx.placed = Planned(program, analysis, program.schedule.names(), _marks(program, analysis), order,
+                             tuple(admitted)) if room is None else None
         return PassResult(changed, stats)
 
 
@@ -175,11 +169,11 @@ class Planned:
 
     program: Program
     analysis: GatherAnalysis
-    before: list[str] | None  # the program's order when budget planned (None: not handed on)
+    before: list[str]  # the program's order when budget planned
     marks: list[tuple[str | None, str | None]]
     order: Schedule
     admitted: tuple[Gather, ...]
 
     def valid(self, program: Program, analysis: GatherAnalysis) -> bool:
-        return (self.before is not None and program is self.program and analysis is self.analysis
+        return (program is self.program and analysis is self.analysis
                 and program.schedule.names() == self.before and _marks(program, analysis) == self.marks)

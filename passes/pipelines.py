@@ -1,7 +1,7 @@
 """Named pipelines: `reference` keeps HyperParallel's behaviour exactly; `default` is the one
 the schedule benchmark (bench/bench_schedules.py) found best; `rewrite` adds the rewriting
 passes, best or tied on every workload of bench/bench_default.py but too slow for `default` on
-large graphs (bucket is ~12x the default pipeline's CPU at 10k generated nodes, ~140x at 100k:
+large graphs (bucket is ~10x the default pipeline's CPU at 10k generated nodes, ~80x at 100k:
 bench/bench_rewrite.py)."""
 
 REFERENCE_PIPELINE = "anchor,budget,prefetch,sink"

@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterator
 from ..ir import Cast, CopyOut, Launch, Program, Schedule, View, Wait
 from ..ir.holds import NO_EARLIER_SLOT  # noqa: F401  (budget and prefetch import it from here)
 from .gathers import Gather, GatherAnalysis
-from .memory_cap import Headroom
+from .memory_cap import OVER_PEAK_CAP, Headroom
 
 LATER_FOR_CAP = "later for peak cap"  # statistic: anchored over the cap, moved to the earliest slot after that fits
 _COMMUNICATION = (Launch, Wait, View, Cast, CopyOut)  # the ops of launch chains and realizations
@@ -51,6 +51,26 @@ def plan(program: Program, analysis: GatherAnalysis, schedule: Schedule,
         if reason is None:
             schedule.move_before(list(g.chain), target)
         yield g, target, reason
+
+
+class LaterForCap:
+    """`plan`'s `later` under a peak cap (budget's and prefetch's): a chain over the cap at its
+    anchor goes to the earliest slot after it that fits (`earliest_fit`) on `schedule`; `took(g,
+    target)` says whether a chain placed at `target` went there so (a partial prefetch: that slot
+    becomes its anchor)."""
+
+    def __init__(self, room: Headroom, schedule: Schedule):
+        self.room, self.schedule = room, schedule
+        self.offered: dict[str, str] = {}  # launch -> the later slot offered
+
+    def __call__(self, g: Gather, reason: str, lo: int, hi: int) -> int | None:
+        at = earliest_fit(self.room, self.schedule, g, lo, hi) if reason == OVER_PEAK_CAP else None
+        if at is not None:
+            self.offered[g.launch] = self.schedule[at]
+        return at
+
+    def took(self, g: Gather, target: str | None) -> bool:
+        return target is not None and self.offered.get(g.launch) == target
 
 
 def earliest_fit(room: Headroom, schedule: Schedule, g: Gather, lo: int, hi: int) -> int | None:

@@ -16,7 +16,7 @@ from ..ir import Phase, Program
 from .base import ModulePass, PassContext, PassResult, register_pass
 from .gathers import GatherAnalysis
 from .memory_cap import OVER_PEAK_CAP, headroom
-from .placement import LATER_FOR_CAP, NO_EARLIER_SLOT, earliest_fit, plan
+from .placement import LATER_FOR_CAP, NO_EARLIER_SLOT, LaterForCap, plan
 
 
 @register_pass
@@ -41,15 +41,9 @@ class Prefetch(ModulePass):
             move.take()
             return None
 
-        proposed: dict[str, str] = {}
-
-        def later(g, reason: str, lo: int, hi: int) -> int | None:
-            # over the cap at its anchor (budget, when it ran first, moved such anchors already):
-            # the earliest slot after it that fits
-            at = earliest_fit(room, program.schedule, g, lo, hi) if reason == OVER_PEAK_CAP else None
-            if at is not None:
-                proposed[g.launch] = program.schedule[at]
-            return at
+        # over the cap at its anchor (budget, when it ran first, moved such anchors already):
+        # the earliest slot after it that fits
+        later = LaterForCap(room, program.schedule) if room is not None else None
 
         if room is not None:
             stats[OVER_PEAK_CAP] = 0
@@ -60,7 +54,7 @@ class Prefetch(ModulePass):
             program.schedule.adopt(planned.order)
             moves = ((g, None, None) for g in planned.admitted)
         else:
-            moves = plan(program, analysis, program.schedule, admit, later if room is not None else None)
+            moves = plan(program, analysis, program.schedule, admit, later)
         for g, target, reason in moves:
             op = program.op(g.launch)
             if reason is not None:  # NO_EARLIER_SLOT, or over the peak cap: it admits everything else unheld
@@ -69,7 +63,7 @@ class Prefetch(ModulePass):
                 continue
             stats["forward" if g.phase is Phase.FORWARD else "backward"] += 1
             stats["moved_nodes"] += len(g.chain)
-            if target is not None and proposed.get(g.launch) == target:  # its anchor is where it went
+            if later is not None and later.took(g, target):  # its anchor is where it went
                 stats[LATER_FOR_CAP] += 1
                 op = attrs.evolve(op, anchor=target)
             program.replace(attrs.evolve(op, prefetched=True))
