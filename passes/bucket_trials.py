@@ -37,7 +37,7 @@ from ..cost.simulate import (LAUNCH, OTHER, WAIT, MemoryProfile, Sweep, alloc_by
 from ..ir import EFFECT, Free, Program, View, Wait
 from ..ir.effects import storage_readers, storage_root
 from ..ir.rewriter import RewriteError
-from .bucket import Member, flat_source, gather_bucket_ops, member_outputs, merge
+from .bucket_merge import Member, flat_source, gather_bucket_ops, member_outputs, merge
 from .maxtree import MaxTree
 
 
@@ -400,7 +400,7 @@ class _GatherGrowth:
             self._build(self.members + [m])
         else:
             self._add(m)
-        trials, name = self.trials, self.name
+        trials = self.trials
         pack, launch, wait, grid = self.ops
         costs = {op.name: trials._cost(op, self.dry) for op in self.ops}
         steps = {self.first.name: self.cast_steps + self.pack_steps
