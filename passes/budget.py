@@ -16,7 +16,7 @@ import dataclasses
 
 import attrs
 
-from ..ir import Launch, Program, Schedule
+from ..ir import Program, Schedule
 from ..ir.holds import OVER_BUDGET, OVER_PEAK_CAP, UNKNOWN_SIZE
 from .base import ModulePass, PassContext, PassResult, check_budget, option, register_pass
 from .gathers import Gather, GatherAnalysis

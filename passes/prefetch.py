@@ -48,7 +48,7 @@ class Prefetch(ModulePass):
         if room is not None:
             stats[OVER_PEAK_CAP] = 0
             stats[LATER_FOR_CAP] = 0
-        planned, ctx.placed = getattr(ctx, "placed", None), None
+        planned, ctx.placed = ctx.placed, None
         if room is None and planned is not None and planned.valid(program, analysis):
             # budget just planned these very moves on a copy (passes/budget.py, `Planned`): take them
             program.schedule.adopt(planned.order)
