@@ -6,12 +6,15 @@ collectives launched before it there. A wait blocks the compute stream until its
 ends; that idle time is the collective's exposed communication.
 
 Memory, in schedule order: each op that is not an alias allocates its results when it runs
-(a collective's output at its launch); views and waits alias their base's storage; a buffer
-is released after the last op that keeps it alive (`keeps_alive`: an op that is no alias
-keeps its operands; a wait keeps what its collective touches until it completes, the launch's
-inputs and results) runs, or at a free of it (whose readers a legal schedule has already run);
-a buffer nothing keeps is released right after its op; inputs, constants and what the output
-returns live to the end. The peak is taken after each op's allocation, before its releases.
+(a collective's output at its launch); views, waits and the results of ops with `alias` (an
+in-place op, an in-place or `out=` collective) share their base's storage and allocate nothing;
+a buffer is released after the last op that keeps it alive (`keeps_alive`: an op that is no
+view keeps its operands; a wait keeps what its collective touches until it completes, the
+launch's inputs and results) runs, or at a free of it (whose readers a legal schedule has
+already run) — but not before the wait of a collective that reads it (an input graph may free
+a collective's input before its wait: the collective still reads it, ir/effects.py); a buffer
+nothing keeps is released right after its op; inputs, constants and what the output returns
+live to the end. The peak is taken after each op's allocation, before its releases.
 
 One pass over the schedule and the edges, plus a sort of the gather intervals: O(N log N).
 """
@@ -85,8 +88,12 @@ class Simulation:
         }
 
 
-def _alias_base(op) -> bool:
-    return isinstance(op, (View, Wait)) and bool(op.operands)
+def _alias_base(op) -> str | None:
+    """The operand whose storage `op`'s result shares (views and waits: their first operand;
+    other ops: their `alias`), or None: a fresh storage."""
+    if isinstance(op, (View, Wait)):
+        return op.operands[0] if op.operands else None
+    return op.alias
 
 
 def keeps_alive(op, op_of) -> tuple[str, ...]:
@@ -95,7 +102,7 @@ def keeps_alive(op, op_of) -> tuple[str, ...]:
     (memory-cap's Headroom, bucket, unshard) mirrors. `op_of(name)` gives an op, or None where
     the name is not in the schedule.
 
-    An op that is no alias reads its operands. A view keeps nothing itself (it aliases its base:
+    An op that is no view reads its operands (an in-place op too). A view keeps nothing itself (it aliases its base:
     its readers keep the base). A wait keeps what its collective touches until it completes:
     the launch's operands, which an async collective reads until then (c10d's Work holds its
     input until the wait), and the launch's results, which it writes until then. Every wait of
@@ -192,7 +199,7 @@ def _simulate(program: Program, model: Any, costs: Mapping[str, float] | None, r
         op = ops[launch]
         if collective_kind(op.target) != "all_gather":
             continue
-        size = alloc.get(launch, 0)
+        size = result_bytes(op)
         steps.append((start, size))
         steps.append((waited.get(launch, step), -size))
     steps.sort(key=lambda s: (s[0], s[1]))   # at equal times, finish before starting
@@ -234,15 +241,18 @@ class MemoryProfile:
     releases: Mapping[int, list[str]]
 
 
-def alloc_bytes(op) -> int:
-    """What an op holds once it ran: its results' bytes (a gather of unknown type: its tagged
-    unsharded size); views and waits alias their base and hold nothing."""
-    if _alias_base(op):
-        return 0
+def result_bytes(op) -> int:
+    """Its results' bytes (a gather of unknown type: its tagged unsharded size)."""
     size = op.nbytes_out
     if not size and isinstance(op, Launch):
         size = op.nbytes or 0
     return max(size or 0, 0)
+
+
+def alloc_bytes(op) -> int:
+    """What an op holds once it ran: its results' bytes (`result_bytes`); views, waits and ops
+    whose result aliases an operand (`Op.alias`) share their base's storage and hold nothing."""
+    return 0 if _alias_base(op) else result_bytes(op)
 
 
 def memory_profile(program: Program, order: list[str] | None = None) -> MemoryProfile:
@@ -258,11 +268,11 @@ def _memory(order: list[str], ops: Mapping[str, Any]) -> MemoryProfile:
     pos = {n: i for i, n in enumerate(order)}
     root: dict[str, str] = {}
     for name in order:
-        op = ops[name]
-        base = op.operands[0] if _alias_base(op) else None
+        base = _alias_base(ops[name])
         root[name] = root.get(base, base) if base is not None else name
     release_at: dict[str, int] = {}   # storage root -> position after which it is released
     freed_at: dict[str, int] = {}
+    waited_at: dict[str, int] = {}    # storage root -> the last wait of a collective keeping it
     returned: set[str] = set()        # storage the output returns: live to the end
     op_of = ops.get
     for name in order:
@@ -271,10 +281,13 @@ def _memory(order: list[str], ops: Mapping[str, Any]) -> MemoryProfile:
             returned.update(root[o] for o in op.operands)
             continue
         i = pos[name]
+        is_wait = isinstance(op, Wait)
         for kept in keeps_alive(op, op_of):
             r = root.get(kept, kept)
             if release_at.get(r, -1) < i:
                 release_at[r] = i
+            if is_wait:
+                waited_at[r] = i
         if isinstance(op, Free) and op.operands:
             r = root[op.operands[0]]
             freed_at.setdefault(r, i)
@@ -289,7 +302,10 @@ def _memory(order: list[str], ops: Mapping[str, Any]) -> MemoryProfile:
         if isinstance(op, STATIC) or (name in returned and name not in freed_at):
             continue  # inputs and constants live throughout, results the graph returns to its end
         i = pos[name]
-        at = freed_at.get(name, release_at.get(name, i))
+        if name in freed_at:  # freed: released there, or at a collective's wait after it
+            at = max(freed_at[name], waited_at.get(name, -1))
+        else:
+            at = release_at.get(name, i)
         releases.setdefault(max(at, i), []).append(name)
     statics = live = sum(alloc[n] for n in order if isinstance(ops[n], STATIC) and n in alloc)
     peak, peak_at = live, None
@@ -344,7 +360,7 @@ def step_of(op, cost: float) -> tuple:
     """What the time rules of `simulate` need of one op: (kind, cost, stream, launch waited on or
     gathered bytes). A wait counts as a wait only on a launch stepped before it (as in `simulate`)."""
     if isinstance(op, Launch):
-        gathered = alloc_bytes(op) if collective_kind(op.target) == "all_gather" else 0
+        gathered = result_bytes(op) if collective_kind(op.target) == "all_gather" else 0
         return (LAUNCH, cost, stream_of(op), gathered)
     if isinstance(op, Wait) and op.operands:
         return (WAIT, cost, None, op.operands[0])

@@ -8,7 +8,10 @@ Each op has effects on resources, as MLIR's memory effects:
   it, keep their order; `free` — every access of a storage precedes its free (an access after
   the free is an error: the input graph uses freed memory; through a `maybe` view it is only a
   note, that view may be a copy). Edges run from the last writer and from the readers since,
-  so a storage costs its accesses, not their square;
+  so a storage costs its accesses, not their square. A collective reads its inputs until its
+  wait (the launch is asynchronous), so a wait reads its launch's operands too: their next write
+  or free follows the wait, not only the launch (in the input order a write or free between
+  launch and wait is kept there, with a note: the input races with its own collective);
 - `regather` — a gather follows the latest earlier free of each of its parameters;
 - `collective-order` — non-gather collectives (and opaque ones) of one process group keep
   their relative order; one whose group is unknown orders against every group;
@@ -25,7 +28,7 @@ from __future__ import annotations
 from operator import itemgetter
 
 from .errors import InputError
-from .ops import Barrier, Compute, Free, Input, Launch, Marker, Op, Opaque, Output, Phase, View
+from .ops import Barrier, Compute, Free, Input, Launch, Marker, Op, Opaque, Output, Phase, View, Wait
 from .program import DATA, Program, Schedule
 
 ENTRY = "^entry"
@@ -229,10 +232,13 @@ def _storage_edges(program: Program, order: list[str], ops: list[Op]) -> None:
     last_write: dict[str, str] = {}
     readers: dict[str, list[str]] = {}
     freed: dict[str, str] = {}
+    in_flight: dict[str, list[tuple[str, list[str]]]] = {}  # launch -> (storage it reads, readers then)
     for name, op in zip(order, ops):
         operands = op.operands
         if not operands:
             continue
+        if type(op) is Wait and op.launched_by in in_flight:
+            _collective_read(program, name, op, in_flight[op.launched_by], roots, last_write, readers, freed)
         is_free = isinstance(op, Free)
         if op.writes or is_free:
             written = [roots[w][0] for w in op.writes]
@@ -256,9 +262,11 @@ def _storage_edges(program: Program, order: list[str], ops: list[Op]) -> None:
                 add_effect(writer, name, "storage")
             since = readers.get(root)
             if since is None:
-                readers[root] = [name]
+                since = readers[root] = [name]
             elif since[-1] != name:
                 since.append(name)
+            if type(op) is Launch:
+                in_flight.setdefault(name, []).append((root, since))
         if not written:
             continue
         why = "free" if is_free else "storage"
@@ -278,6 +286,34 @@ def _storage_edges(program: Program, order: list[str], ops: list[Op]) -> None:
             last_write[root] = name
             if is_free:
                 freed[root] = name
+
+
+def _collective_read(program: Program, name: str, op: Wait, reads: list[tuple[str, list[str]]],
+                     roots: dict, last_write: dict[str, str], readers: dict[str, list[str]],
+                     freed: dict[str, str]) -> None:
+    """The wait `name` reads what its launch read (the collective reads it until the wait), so
+    a later write or free of it follows the wait. `reads`: each storage the launch read, with its
+    readers list then (the same list still there: no write since, and no edge is needed)."""
+    own = {roots[w][0] for w in op.writes}  # an in-place collective's wait writes its buffer
+    launch = op.launched_by
+    for root, then in reads:
+        if root in own:
+            continue
+        own.add(root)  # read once, however many operands share it
+        if root in freed:
+            program.notes.append(f"%{freed[root]} frees storage the collective %{launch} reads until its wait "
+                                 f"%{name}: kept before the wait as in the input (counted live until the wait)")
+            continue
+        since = readers.get(root)
+        if since is not then:  # written since the launch: the input races with its collective
+            writer = last_write[root]
+            program.notes.append(f"%{writer} writes storage the collective %{launch} reads until its wait "
+                                 f"%{name}: kept before the wait as in the input")
+            program.add_effect(writer, name, "storage")
+        if since is None:
+            readers[root] = [name]
+        elif since[-1] != name:
+            since.append(name)
 
 
 def _collective_edges(program: Program, order: list[str], ops: list[Op]) -> None:

@@ -299,3 +299,65 @@ def test_a_collectives_unread_result_lives_until_its_wait():
     profile = memory_profile(p)
     live = dict(zip(profile.order, profile.live))
     assert live["c"] == 1024 + 16 + 2048 + 4096 and live["mm"] == 1024 + 16 + 4096 + 2048
+
+
+# ---- results that alias an operand (`alias`): no new bytes ----------------------------------------
+
+def test_an_in_place_ops_result_shares_its_operands_storage():
+    """`add_` writes its operand and returns it: no new bytes; the storage lives while any alias
+    of it is read (before `alias` was counted, the add_ allocated 4096 more: peak 16 + 8192)."""
+    p = ir("""
+        %x = input : f32[4]
+        ^entry
+        %t = compute "aten.exp.default"(%x) : f32[1024]
+        %t2 = compute "aten.add_.Tensor"(%t) {writes = [%t], alias = %t} : f32[1024]
+        %r = compute "aten.sum.default"(%t2) : f32[1]
+        %d = compute "aten.neg.default"(%x) : f32[4]
+        %output = output(%r, %d)
+    """)
+    verify(p)
+    profile = memory_profile(p)
+    assert profile.live == (16, 16, 16 + 4096, 16 + 4096, 16 + 4096 + 4, 16 + 4 + 16, 16 + 4 + 16)
+    assert profile.peak_bytes == 16 + 4096 + 4 and profile.peak_at == "r"
+    assert profile.root["t2"] == "t" and "t2" not in profile.alloc
+
+
+def test_an_in_place_collective_allocates_nothing_and_holds_its_buffer_to_its_last_reader():
+    """all_reduce_ on a gradient: launch and wait alias it; it lives until the wait's reader
+    (counted as fresh before: 4096 at the launch, the peak 16 + 3 * 4096)."""
+    p = ir("""
+        %x = input : f32[4]
+        ^entry
+        %y = compute "aten.exp.default"(%x) : f32[1024]
+        %ar = launch "_c10d_functional.all_reduce_.default"(%y) {group = "0", reduce_op = "sum", writes = [%y], alias = %y} : f32[1024]
+        %c = compute "aten.neg.default"(%x) : f32[1024]
+        %w = wait "_c10d_functional.wait_tensor.default"(%ar) {writes = [%ar], alias = %ar} : f32[1024]
+        %d = compute "aten.sum.default"(%w) : f32[1]
+        %e = compute "aten.neg.default"(%x) : f32[1024]
+        %output = output(%c, %d, %e)
+    """)
+    verify(p)
+    profile = memory_profile(p)
+    live = dict(zip(profile.order, profile.live))
+    assert live["ar"] == 16 + 4096 and live["c"] == live["w"] == 16 + 4096 + 4096
+    assert live["d"] == 16 + 4096 + 4096 + 4             # the buffer, read by %d through the wait
+    assert live["e"] == 16 + 4096 + 4 + 4096             # released after %d
+    assert profile.peak_bytes == 16 + 2 * 4096 + 4 and profile.peak_at == "d"
+
+
+def test_an_out_gather_writes_its_buffer_and_still_counts_in_flight():
+    """An `_out` gather fills a buffer allocated before it: no bytes of its own, but its
+    gathered bytes are in flight from launch to wait as any gather's."""
+    p = ir(f"""
+        %w = input : f32[256]
+        ^entry
+        %buf = compute "aten.empty.memory_format"() : f32[512]
+        %ag = launch "_c10d_functional.all_gather_into_tensor_out.default"(%w, %buf) {{group = "0", group_size = 2, role = fsdp_all_gather, nbytes = 2048, params = ["w"], writes = [%buf], alias = %buf}} : f32[512]
+        %wt = wait(%ag) {{writes = [%ag], alias = %ag}} : f32[512]
+        %mm = compute "aten.mul.Tensor"(%wt) : f32[512]
+        %output = output(%mm, %buf)
+    """)
+    verify(p)
+    sim = simulate(p, costs=costs(p, ag=5.0, mm=2.0))
+    assert sim.peak_bytes == 1024 + 2048 + 2048            # the shard, the buffer (returned), the product
+    assert sim.max_inflight_bytes == 2048 and sim.inflight == ((0.0, 2048), (5.0, 0))
