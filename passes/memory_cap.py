@@ -16,7 +16,7 @@ CLI's `--max-peak-gb` / `--max-peak-increase-gb` put it first in the pipeline.
   until there — for a wait, its collective's inputs and results, by the simulator's own rule
   `keeps_alive`) check a move in O(log N) and count it when taken. The counts never under-estimate
   (a read moved earlier still counts its storage as released where it was), so what fits here
-  fits in simulation; a move that does not fit the counts is checked again against the exact
+  fits in simulation (`earlier_all`: several chains, each to its own target, at once); a move that does not fit the counts is checked again against the exact
   curve of the order as it is then (a refresh: O(N), a few per pass).
 - **exactly**, for rewrites: `over_cap(ctx, trial)` simulates a rewritten copy's memory.
 
@@ -172,7 +172,7 @@ class Headroom:
     Slot i is the i-th op of the order the curve was read off; an op a move placed just before
     `target` sits in target's slot from then on (between the slot before and target's: what is
     live there is bounded by the slot before's count plus the move's own). Every move the pass
-    makes must go through `earlier`, `later` or `later_all`, and be made in the schedule before the
+    makes must go through `earlier`, `earlier_all`, `later` or `later_all`, and be made in the schedule before the
     next check: a move that does not fit the counted curve is checked once more against the
     exact curve of the order as it is then (its counts over-estimate, e.g. a read moved earlier
     releases its storage earlier), at most once per few moves taken, so the work stays
@@ -210,6 +210,19 @@ class Headroom:
         alloc = self.profile.alloc
         ranges = [(lo, self.slot(n), alloc[n]) for n in names if alloc.get(n, 0) > 0]
         return Move(self, {n: lo for n in names}, ranges)
+
+    def earlier_all(self, chains) -> Move | None:
+        """Several launch chains moving up at once, each `(names, target)` to just before its
+        own target (order-gathers reordering a run): checked and counted together."""
+        return self._checked(lambda: self._earlier_all(chains))
+
+    def _earlier_all(self, chains) -> Move:
+        slots, ranges = {}, []
+        for names, target in chains:
+            move = self._earlier(names, target)
+            slots.update(move.slots)
+            ranges += move.ranges
+        return Move(self, slots, ranges)
 
     def fits_earlier(self, names, target: str) -> bool:
         """Whether `earlier(names, target)` fits the curve as counted now (counts nothing, reads

@@ -8,6 +8,9 @@ edge between two of its chains keeps its order. No node leaves its run, so nothi
 a barrier or another collective. A gather that moves ahead of another now launches early, so
 it is marked `prefetched` and its bytes count against `max-in-flight-gb` from the run to its
 first consumer, as `budget` counts them; a run whose reorder would go over it keeps its order.
+Under a peak-memory cap, each gather moved ahead is checked (and counted) as a chain moving up
+to just before the first chain it now precedes that keeps its place, which is where it runs:
+the others keep their places relative to everything outside the moved chains.
 A gather of unknown size, or held by lowering, stays where it is (it ends a run).
 """
 
@@ -68,8 +71,8 @@ class OrderGathers(ModulePass):
             if urgent == run or _linked(program, run, owner):
                 continue
             ahead = _moved_ahead(run, urgent)
-            # a gather moved ahead launches earlier: its bytes live from the run's start
-            move = room.earlier([n for g in ahead for n in g.chain], run[0].chain[0]) if room is not None else None
+            # a gather moved ahead launches earlier: its bytes live from where it now runs
+            move = room.earlier_all(_targets(urgent, ahead)) if room is not None else None
             if room is not None and move is None:
                 stats[OVER_PEAK_CAP] += 1
                 continue
@@ -100,6 +103,21 @@ def _moved_ahead(run: list[Gather], urgent: list[Gather]) -> list[Gather]:
             ahead.append(g)
         latest = max(latest, rank[g.launch])
     return ahead
+
+
+def _targets(urgent: list[Gather], ahead: list[Gather]) -> list[tuple[list[str], str]]:
+    """Each gather moved ahead, as (its chain, the first op of the chain after it in `urgent`
+    that is not moved ahead): the slot it runs in. The chains not moved ahead keep their order
+    and their places among the rest, so a chain moved ahead runs just before the next of them;
+    one always follows it (the chain it was moved ahead of is one, or follows one)."""
+    moved = {g.launch for g in ahead}
+    out, target = [], None
+    for g in reversed(urgent):
+        if g.launch in moved:
+            out.append((list(g.chain), target))
+        else:
+            target = g.chain[0]
+    return out[::-1]
 
 
 def _admit(tree: MaxTree, spans: list[tuple[int, int, int]], limit: int) -> bool:

@@ -426,8 +426,6 @@ class _CheckRooms(Instrument):
             assert room.refreshes == 0 and room.refused == 0
             after = memory_profile(room.program, room.schedule.names())
             assert after.peak_bytes <= room.tree.max(0, len(room.profile.order))
-            if p.name == "order-gathers":  # it also moves chains down within a run, unrecorded (no
-                continue                   # later launch raises memory): only its peak is bounded
             for name, live in zip(after.order, after.live):
                 s = room.slot(name)
                 # a moved op sits between the slot before its target's and the target's
@@ -459,6 +457,53 @@ def test_headroom_counts_never_under_count_the_simulated_curve(model_programs, c
             mp.setattr(module, "headroom", recording)
         PassManager("memory-cap{max-peak-gb=1000.0,try-unchecked=false},default", instruments=[check]).run(program)
     assert check.checked > 0
+
+
+RUN_OF_FOUR = """
+    %x = input : f32[4]
+    %s0 = input : f32[64]
+    %s1 = input : f32[64]
+    %s2 = input : f32[64]
+    %s3 = input : f32[64]
+    ^entry
+    %g0 = launch "ag"(%s0) {group = "0", role = fsdp_all_gather, nbytes = 512, params = ["p0"]} : f32[128]
+    %g1 = launch "ag"(%s1) {group = "0", role = fsdp_all_gather, nbytes = 1024, params = ["p1"]} : f32[256]
+    %g2 = launch "ag"(%s2) {group = "0", role = fsdp_all_gather, nbytes = 2048, params = ["p2"]} : f32[512]
+    %g3 = launch "ag"(%s3) {group = "0", role = fsdp_all_gather, nbytes = 4096, params = ["p3"]} : f32[1024]
+    %w0 = wait(%g0) : f32[128]
+    %m0 = compute "aten.mul"(%x, %w0) : f32[4]
+    %w1 = wait(%g1) : f32[256]
+    %m1 = compute "aten.mul"(%m0, %w1) : f32[4]
+    %w3 = wait(%g3) : f32[1024]
+    %m3 = compute "aten.mul"(%m1, %w3) : f32[4]
+    %w2 = wait(%g2) : f32[512]
+    %m2 = compute "aten.mul"(%m3, %w2) : f32[4]
+    %output = output(%m2)
+"""
+
+
+def test_order_gathers_counts_a_gather_moved_ahead_where_it_runs():
+    """g3 is needed before g2: order-gathers launches g0 g1 g3 g2. g3 runs just before g2 (the
+    chain it was moved ahead of), after g0 and g1: its Headroom slot is g2's, where the counts
+    hold what is live when it runs (it was counted from the run's first slot, g0's, whose counts
+    then held the inputs, g0 and g3: 1040 + 512 + 4096 B, where g3 runs with g1 too, + 1024)."""
+    from fxsched.passes import memory_cap, order_gathers
+    program = parse_program(dedent(RUN_OF_FOUR))
+    check = _CheckRooms()
+
+    def recording(ctx, program, schedule=None):
+        room = memory_cap.headroom(ctx, program, schedule)
+        check.rooms.append(room)
+        return room
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(order_gathers, "headroom", recording)
+        result = PassManager("memory-cap{max-peak-gb=1000.0,try-unchecked=false},order-gathers",
+                             instruments=[check]).run(program)
+    assert result.stats()["order-gathers"]["moved ahead"] == 1
+    names = program.schedule.names()
+    assert names[names.index("g0"):names.index("g0") + 4] == ["g0", "g1", "g3", "g2"]
+    assert check.checked == 1   # every op within the counts of its slot (the instrument asserts it)
 
 
 # ---- a gather over the cap at its anchor goes to the earliest slot after it that fits ------------
