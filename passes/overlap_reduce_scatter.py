@@ -5,14 +5,22 @@ feed only it, rises to just after its latest predecessor (its gradient's produce
 reduce-scatter before it: they keep their order; `hoist=false` leaves launches where they are).
 Then what follows each reduce-scatter's wait — its views (a bucket's per-parameter slices), casts
 (a bf16 gradient cast to fp32 for the output) and single-operand arithmetic — sinks to its
-uses, so that none of it pins the wait, and its
-wait moves down to just before its earliest successor (its users, or the barrier, free or
-output that bounds it through an effect edge), so the compute between launch and wait hides it.
-Gradient bytes kept alive by a delayed wait are in flight from the launch to the wait (the
-collective reads its input until then: the simulator counts it live, `keeps_alive`);
-reduce-scatters are admitted in launch order while the in-flight total stays within
-`max-in-flight-gb` and the peak within the joint cap (`memory-cap`); the others keep their
-wait where it was.
+uses, so that none of it pins the wait.
+
+Then each wait moves down only as far as hides its collective (`reduce_scatter_waits.plan_waits`: one walk down the order
+with the simulator's clock, `cost.simulate.Clock`, on the cost model's times): to before the
+first op the compute stream reaches once the collective has ended, or, if it ends later still,
+before the wait's earliest successor (its users, or the barrier, free or output an effect edge
+orders after it). Its collective's input and result (the gradient: the simulator counts them
+live until the wait, `keeps_alive`) are so held for the least time that hides it — the same
+step as a wait sunk to its first use, with less in flight and a lower peak. It times the order
+it is given, so it runs last (after `order-gathers`).
+
+`max-in-flight-gb` bounds the gradient bytes of the reduce-scatters launched and not yet waited;
+where holding waits would go over it, those whose collectives end soonest go back first (the
+least exposed time for the bytes freed; `over budget`). Under a peak-memory cap (`memory-cap`)
+each wait's move is checked against the simulated peak too (`over peak cap`): the budget is then
+a second, flat bound on the same bytes (1 GiB by default; a larger one leaves only the cap).
 """
 
 from __future__ import annotations
@@ -20,11 +28,12 @@ from __future__ import annotations
 import dataclasses
 from operator import itemgetter
 
+from ..cost.model import CostAnalysis
 from ..ir import Cast, Compute, Launch, Program, Role, View, waits_of
 from .base import ModulePass, PassContext, PassResult, check_budget, option, register_pass
-from .budget import MaxTree
 from .gathers import GatherAnalysis
 from .memory_cap import OVER_PEAK_CAP, Headroom, headroom
+from .reduce_scatter_waits import plan_waits
 from .sink import sink_in_order
 
 
@@ -32,10 +41,11 @@ from .sink import sink_in_order
 @dataclasses.dataclass(frozen=True)
 class OverlapReduceScatter(ModulePass):
     name = "overlap-reduce-scatter"
-    preserves = (GatherAnalysis,)
+    preserves = (GatherAnalysis, CostAnalysis)
     reorders_only = True
 
-    max_in_flight_gb: float = option(1.0, "most gradient GiB in flight between reduce-scatter launches and their waits")
+    max_in_flight_gb: float = option(1.0, "most gradient GiB in flight between reduce-scatter launches and their waits "
+                                          "(beyond it, waits go back in, those whose collectives end soonest first)")
     hoist: bool = option(True, "launch each reduce-scatter as soon as its gradient is ready (false: where it is)")
 
     def __post_init__(self):
@@ -43,55 +53,45 @@ class OverlapReduceScatter(ModulePass):
 
     def apply(self, ctx: PassContext, program: Program) -> PassResult:
         schedule = program.schedule
-        limit = int(self.max_in_flight_gb * 2**30)
         names = schedule.names()
         ops = map(itemgetter("op"), map(program.node_data.__getitem__, names))  # in C: no call per name
         launches = [n for n, op in zip(names, ops) if isinstance(op, Launch) and op.role is Role.REDUCE_SCATTER]
-        # in-flight bytes over the starting order's positions; a wait only moves later, so
-        # positions between a launch and its new wait never shift out of order
-        tree = MaxTree(len(schedule) + 1)
-        stats = {"hoisted": 0, "overlapped": 0, "over budget": 0, "in place": 0}
         # the joint peak-memory cap: a hoisted launch holds its result earlier, a sunk cast keeps
-        # what it reads alive longer, a delayed wait its collective's input and result
+        # what it reads alive longer, a held wait its collective's input and result
         room = headroom(ctx, program)
-        if self.hoist:
-            stats["hoisted"] = sum(_hoist(program, name, room) for name in launches)
+        hoisted = sum(_hoist(program, name, room) for name in launches) if self.hoist else 0
+        # views of each result (a bucket's per-parameter slices) and casts of it (to the
+        # gradient's dtype) go down to their uses first, so that the wait can follow them
         tail_sunk = 0  # moves too, even where no wait follows them
         for name in launches:
-            # one wait, or a coalesced launch's wait per result: in flight until the last
-            waits = sorted(waits_of(program, name), key=schedule.index)
-            # views of the result (a bucket's per-parameter slices) and casts of it (to the
-            # gradient's dtype) go down to their uses first, so that the wait can follow them
-            for wait in waits:
+            for wait in sorted(waits_of(program, name), key=schedule.index):
                 tail_sunk += sink_in_order(program, sorted(_tail_of(program, wait), key=schedule.index), room)
-            targets = {}
-            for wait in waits:
-                succ = program.graph.succ[wait]
-                if succ and schedule.index(target := min(succ, key=schedule.index)) > schedule.index(wait) + 1:
-                    targets[wait] = target
-            if not targets:
-                stats["in place"] += 1
-                continue
-            op = program.op(name)
-            sources = op.operands if len(op.types) > 1 else op.operands[:1]  # coalesced: every input
-            nbytes = sum(program.op(o).nbytes_out for o in dict.fromkeys(sources))
-            lo, hi = schedule.index(name), max(map(schedule.index, targets.values()))
-            if tree.max(lo, hi) + nbytes > limit:
-                stats["over budget"] += 1
-                continue
-            # the joint peak-memory cap: a wait moved down keeps the gradient it reduces live to there
-            move = room.later_all(targets) if room is not None else None
+        # what the other passes put right before or after its anchor or use (a gather's chain and
+        # realization, a reduce-scatter's launch with its views, a reduced gradient's views and
+        # casts): a wait never goes back in beside one, so that a second run finds each where it
+        # put it, and moves nothing
+        gathers = ctx.get(GatherAnalysis, program)
+        travelling = {n for g in gathers.gathers for n in (*g.chain, *g.realization)}
+        travelling.update(w for name in gathers.unconsumed for w in waits_of(program, name))
+        for name in launches:
+            travelling |= program.private_feeders(name, (View,))
+            travelling.update(n for w in waits_of(program, name) for n in _tail_of(program, w))
+        plan, stats = plan_waits(program, ctx.get(CostAnalysis, program).ms, launches, travelling,
+                                 int(self.max_in_flight_gb * 2**30))
+        before = schedule.names()
+        for wait, target in plan:  # in the order the walk put them back: waits before one target stack so
+            if schedule.index(target) == schedule.index(wait) + 1:
+                continue  # where it is
+            move = room.later(wait, target) if room is not None else None
             if room is not None and move is None:
-                continue   # counted in room.refused
-            tree.add(lo, hi, nbytes)
-            for wait, target in targets.items():
-                schedule.move_before([wait], target)
+                continue  # counted in room.refused
+            schedule.move_before([wait], target)
             if move is not None:
                 move.take()
-            stats["overlapped"] += 1
+        stats = {"hoisted": hoisted, **stats}
         if room is not None:
             stats[OVER_PEAK_CAP] = room.refused
-        return PassResult(stats["hoisted"] + stats["overlapped"] + tail_sunk > 0, stats)
+        return PassResult(hoisted + tail_sunk > 0 or schedule.names() != before, stats)
 
 
 def _hoist(program: Program, launch: str, room: Headroom | None = None) -> bool:

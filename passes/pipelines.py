@@ -7,7 +7,7 @@ bench/bench_rewrite.py)."""
 REFERENCE_PIPELINE = "anchor,budget,prefetch,sink"
 # after hide, sink stacks realizations in hide's plan whatever its order option says (a fixed
 # point: passes/sink.py); {order=wait} is kept so that the benchmarked text stays as measured
-DEFAULT_PIPELINE = "hide,budget,prefetch,sink{order=wait},overlap-reduce-scatter,order-gathers"
+DEFAULT_PIPELINE = "hide,budget,prefetch,sink{order=wait},order-gathers,overlap-reduce-scatter"
 
 # unshard first: the re-gathers it removes free the slots bucket then packs
 REWRITE_PIPELINE = "default,unshard,bucket"

@@ -405,7 +405,7 @@ def graph_options(draw) -> tuple[int, dict]:
 def pipelines(draw) -> tuple[str, int | None]:
     """A pipeline text and its gather budget in bytes (None: no budget pass). Anchors come from
     `anchor` (depths, attention on or off) or from the cost-guided `hide`; some pipelines end
-    with `overlap-reduce-scatter` (hoisting reduce-scatters or not) and/or `order-gathers`."""
+    with `order-gathers` and/or `overlap-reduce-scatter` (hoisting reduce-scatters or not)."""
     depths = st.sampled_from([0, 1, 1, 2, 2, 3])
     forward, backward = draw(depths), draw(depths)
     attention = draw(st.sampled_from(["", "", ",attention=false"]))
@@ -419,12 +419,13 @@ def pipelines(draw) -> tuple[str, int | None]:
         return "sink", None
     sink = draw(st.sampled_from(["sink", "sink{order=wait}"]))
     passes = [anchor, *budget, "prefetch"] + ([sink] if shape == "full" else [])
+    if draw(st.integers(0, 2)) == 0:  # with the budget pass's limit, as a user would set both
+        passes.append("order-gathers" if limit is None else f"order-gathers{{max-in-flight-gb={limit / GIB!r}}}")
+    # last: it times each wait on the order the passes before it leave
     if draw(st.integers(0, 3)) == 0:
         passes.append(draw(st.sampled_from(["overlap-reduce-scatter", "overlap-reduce-scatter{max-in-flight-gb=0.0}",
                                             f"overlap-reduce-scatter{{max-in-flight-gb={4096 / GIB!r}}}",
                                             "overlap-reduce-scatter{hoist=false}"])))
-    if draw(st.integers(0, 2)) == 0:  # with the budget pass's limit, as a user would set both
-        passes.append("order-gathers" if limit is None else f"order-gathers{{max-in-flight-gb={limit / GIB!r}}}")
     return ",".join(passes), limit
 
 
