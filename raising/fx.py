@@ -23,7 +23,7 @@ except ImportError:  # pragma: no cover
 
 import torch
 
-from ..ir import CopyOut, Launch, Marker, Phase, Program, tags
+from ..ir import CopyOut, Launch, Marker, Phase, Program, View, tags
 from ..ir.errors import InputError
 from ..ir.gcpause import gc_paused
 from ..ir.rewriter import Call, Operand
@@ -140,6 +140,10 @@ def _raise(program: Program, lint: bool) -> fx.GraphModule:
         copy = env[node] = create(node.op, node.target, map_arg(node.args, mapper), map_arg(node.kwargs, mapper),
                                   node.name, node.type)
         copy.meta.update(node.meta)
+        if mapper is not remap and node.op == "call_function" and isinstance(ops[name]["op"], View):
+            # a view of a new input (a bucket's copy-out): lowering reads a reshape as a view only
+            # where its val shares its input's storage, so it takes its val from that input
+            _fake_val(copy)
         if node.op == "placeholder" and copy.name != node.name:
             raise RaisingError(f"input %{node.name} was renamed to {copy.name}")
     gm = _GraphModule(source, graph, class_name=type(source).__name__)
@@ -197,13 +201,18 @@ def _build(graph: fx.Graph, op, call: Call, value) -> fx.Node:
     args, kwargs = arg(tuple(call.args)), {k: arg(v) for k, v in call.kwargs.items()}
     node = graph.create_node("call_function", target, args, kwargs, op.name)
     node.meta.update(_tags(op))
+    _fake_val(node)
+    return node
+
+
+def _fake_val(node: fx.Node) -> None:
+    """Set the node's `val` to its op run on its inputs' fake vals, when they all have one."""
     vals = [n.meta.get("val") for n in node.all_input_nodes]
     fake = next((getattr(v, "fake_mode", None) for v in vals if getattr(v, "fake_mode", None) is not None), None)
     if fake is not None and all(isinstance(v, torch.Tensor) for v in vals):
         with fake:
-            node.meta["val"] = target(*fx.map_arg(args, lambda n: n.meta["val"]),
-                                      **fx.map_arg(kwargs, lambda n: n.meta["val"]))
-    return node
+            node.meta["val"] = node.target(*fx.map_arg(node.args, lambda n: n.meta["val"]),
+                                           **fx.map_arg(node.kwargs, lambda n: n.meta["val"]))
 
 
 def _torch_op(name: str):
