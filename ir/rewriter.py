@@ -7,8 +7,8 @@ write and to check as a reorder-only one:
   schedule) with its data edges, placed in the schedule just before `name`;
 - `replace_uses(old, new)`: every data use of `old` reads `new` instead, ordered against the
   other accesses of `new`'s storage as ir/effects.py would have derived (a use that frees or
-  writes it after every earlier reader, a read before any later free or write), so nothing
-  can move past it later;
+  writes it after every earlier reader, a read before any later free or write; a launch's
+  read lasts until its wait), so nothing can move past it later;
 - `erase(name)`: remove an op no one reads; every predecessor of it (data or effect) is
   ordered before every successor by an effect edge, so whatever the erased op ordered stays
   ordered (an erased free's readers stay ahead of the gather that followed it).
@@ -34,8 +34,9 @@ from __future__ import annotations
 import attrs
 
 from .effects import storage_readers, storage_root
-from .ops import Free, Op
+from .ops import Free, Launch, Op, Wait
 from .program import DATA, EFFECT, Program
+from .waits import waits_of
 
 
 class RewriteError(ValueError):
@@ -90,6 +91,11 @@ class Rewriter:
         program.schedule.insert_before(op.name, before)
         try:  # its reads of existing storage keep their order with that storage's writes and free
             edges = [e for operand in dict.fromkeys(op.operands) for e in self._storage_order([op.name], operand)]
+            if isinstance(op, Wait) and op.launched_by in program.graph:
+                # the collective reads its inputs until this wait (ir/effects.py): so does the wait
+                launch = program.op(op.launched_by)
+                edges += [e for operand in dict.fromkeys(launch.operands)
+                          for e in self._storage_order([op.name], operand)]
         except RewriteError:
             program.graph.remove_node(op.name)
             program.schedule.remove(op.name)
@@ -162,8 +168,10 @@ class Rewriter:
             if graph.has_edge(new, user):  # an effect edge there already: a data edge orders it too
                 graph.remove_edge(new, user)
             graph.add_edge(new, user, kind=DATA)
+        # a launch reads `new` until its waits (ir/effects.py): they are new accesses of it too
+        waits = [w for user in users if isinstance(program.op(user), Launch) for w in waits_of(program, user)]
         try:
-            edges = self._storage_order(users, new)
+            edges = self._storage_order(users + waits, new)
         except RewriteError:  # leave the program as it was
             for user, (op, preds) in saved.items():
                 graph.nodes[user]["op"] = op
@@ -189,7 +197,7 @@ class Rewriter:
         fresh = set(users)
         for user in users:  # what reads the storage through a user that aliases it
             fresh |= storage_readers(program, user) & accessors
-        writes = {a: _writes(program, a, root) for a in accessors}
+        writes = {a: _writes(program, a, root) for a in accessors | fresh}
         edges = []
         for a in sorted(fresh, key=pos):
             for b in accessors:

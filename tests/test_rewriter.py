@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from fxsched.ir import EFFECT, Compute, Phase, parse_program, verify
+from fxsched.ir import EFFECT, Compute, Phase, Wait, parse_program, verify
 from fxsched.ir.rewriter import Rewriter, RewriteError
 
 TEXT = """
@@ -110,3 +110,46 @@ def test_hoist_moves_an_op_earlier_but_not_before_its_predecessors():
     verify(program)
     with pytest.raises(RewriteError, match="hoist\\(%rag\\) before %y: it follows %f \\(regather\\)"):
         rewriter.hoist("rag", before="y")
+
+
+RS_TEXT = """
+%x = input
+^entry
+%y = compute "aten.neg"(%x)
+^backward
+%g = compute "aten.mm"(%y, %y)
+%h = compute "aten.neg"(%g)
+%rs = launch "rs"(%g) {role = fsdp_reduce_scatter, nbytes = 4}
+%c = compute "aten.neg"(%y)
+%rw = wait(%rs)
+%f = free "free"(%g)
+%output = output(%rw, %c)
+"""
+
+
+def test_create_orders_a_new_wait_before_a_later_write_of_its_collectives_input():
+    # a collective reads its input until its wait (ir/effects.py): a wait made for it is such a
+    # read, so the free after it stays after it, and a wait made after the free is refused
+    program = parse_program(RS_TEXT)
+    rewriter = Rewriter(program)
+    with pytest.raises(RewriteError, match="%w3 would read storage that %f frees before it"):
+        rewriter.create(Wait(name="w3", operands=("rs",), target="wait", phase=Phase.BACKWARD), before="output")
+    rewriter.create(Wait(name="w2", operands=("rs",), target="wait", phase=Phase.BACKWARD), before="f")
+    assert program.graph.edges["w2", "f"]["why"] == "free"
+    rewriter.replace_uses("rw", "w2")
+    rewriter.erase("rw")
+    verify(program)
+
+
+def test_replace_uses_orders_a_launchs_wait_before_a_free_of_its_new_input():
+    # %h's storage is freed by %hf after %rw: the reduce-scatter reading %h instead of %g reads it
+    # until %rw, so %rw must come before %hf (a free between launch and wait is refused)
+    program = parse_program(RS_TEXT.replace('%f = free "free"(%g)', '%f = free "free"(%g)\n%hf = free "free"(%h)'))
+    rewriter = Rewriter(program)
+    assert rewriter.replace_uses("g", "h", only={"rs"}) == ["rs"]
+    assert program.graph.edges["rw", "hf"]["why"] == "free"
+    verify(program)
+    early = parse_program(RS_TEXT.replace('%c = compute "aten.neg"(%y)', '%c = compute "aten.neg"(%y)\n%hf = free "free"(%h)'))
+    with pytest.raises(RewriteError, match="%rw would read storage that %hf frees before it"):
+        Rewriter(early).replace_uses("g", "h", only={"rs"})
+    assert early.op("rs").operands == ("g",)
