@@ -16,6 +16,7 @@ import dataclasses
 
 import attrs
 
+from ..cost.model import CostAnalysis
 from ..ir import Program, Schedule
 from ..ir.holds import OVER_BUDGET, OVER_PEAK_CAP, UNKNOWN_SIZE
 from .base import ModulePass, PassContext, PassResult, check_budget, option, register_pass
@@ -91,7 +92,7 @@ class _InFlight:
 @dataclasses.dataclass(frozen=True)
 class Budget(ModulePass):
     name = "budget"
-    preserves = (GatherAnalysis, MemoryAnalysis)  # it plans on a copy: the schedule stays
+    preserves = (GatherAnalysis, MemoryAnalysis, CostAnalysis)  # it plans on a copy: the schedule stays
     reorders_only = True
     after = ("anchor", "hide")
 

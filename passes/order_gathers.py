@@ -21,6 +21,7 @@ from itertools import accumulate
 
 import attrs
 
+from ..cost.model import CostAnalysis
 from ..ir import Program
 from .base import ModulePass, PassContext, PassResult, check_budget, option, register_pass
 from .budget import MaxTree
@@ -32,7 +33,7 @@ from .memory_cap import OVER_PEAK_CAP, headroom
 @dataclasses.dataclass(frozen=True)
 class OrderGathers(ModulePass):
     name = "order-gathers"
-    preserves = (GatherAnalysis,)
+    preserves = (GatherAnalysis, CostAnalysis)  # costs do not depend on the order
     reorders_only = True
     after = ("prefetch",)
 

@@ -12,6 +12,7 @@ import dataclasses
 
 import attrs
 
+from ..cost.model import CostAnalysis
 from ..ir import Phase, Program
 from .base import ModulePass, PassContext, PassResult, register_pass
 from .gathers import GatherAnalysis
@@ -23,7 +24,7 @@ from .placement import LATER_FOR_CAP, NO_EARLIER_SLOT, LaterForCap, plan
 @dataclasses.dataclass(frozen=True)
 class Prefetch(ModulePass):
     name = "prefetch"
-    preserves = (GatherAnalysis,)
+    preserves = (GatherAnalysis, CostAnalysis)  # costs do not depend on the order
     reorders_only = True
     after = ("anchor", "hide", "budget")
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 from operator import itemgetter
 
+from ..cost.model import CostAnalysis
 from ..ir import DATA, Program, Wait, waits_of
 from ..ir.errors import ConfigError
 from .base import ModulePass, PassContext, PassResult, option, register_pass
@@ -33,7 +34,7 @@ from .memory_cap import OVER_PEAK_CAP, Headroom, headroom
 @dataclasses.dataclass(frozen=True)
 class Sink(ModulePass):
     name = "sink"
-    preserves = (GatherAnalysis,)
+    preserves = (GatherAnalysis, CostAnalysis)  # costs do not depend on the order
     reorders_only = True
 
     order: str = option("launch", "stack realizations before one node in launch order (the reference's) "
