@@ -113,6 +113,7 @@ class _Target(NamedTuple):
     attention: bool
     group_at: int | None  # position of the `group_name` argument, if the schema has one
     group_size_at: int | None  # position of the (last) `group_size` argument
+    reduce_op_at: int | None  # position of the `reduce_op` argument, if the schema has one
 
 
 def _composite(schema) -> bool:
@@ -209,6 +210,7 @@ def _classify(op: str, target) -> _Target:
         attention=attention,
         group_at=arguments.index("group_name") if "group_name" in arguments else None,
         group_size_at=len(arguments) - 1 - arguments[::-1].index("group_size") if "group_size" in arguments else None,
+        reduce_op_at=arguments.index("reduce_op") if "reduce_op" in arguments else None,
     )
 
 
@@ -221,11 +223,17 @@ for _name, _short in (("float8_e4m3fn", "f8e4m3"), ("float8_e5m2", "f8e5m2")):
 
 
 def _type(value, cache: dict | None = None) -> TensorType:
-    """The TensorType of one `meta["val"]` element. `cache` maps (dtype, shape) to the
-    TensorType already made for it: a graph has few distinct ones, and converting the shape
-    dim by dim was most of the cost. A symbolic shape is unhashable and is not cached."""
+    """The TensorType of one `meta["val"]` element (`cache`: see `_one_type`)."""
+    return _one_type(value, cache)[0]
+
+
+def _one_type(value, cache: dict | None = None) -> tuple[TensorType]:
+    """`(TensorType,)` of one `meta["val"]` element: what a single-tensor node's `types` is.
+    `cache` maps (dtype, shape) to the tuple already made for it: a graph has few distinct
+    ones, converting the shape dim by dim was most of the cost, and one tuple serves every
+    node of that type. A symbolic shape is unhashable and is not cached."""
     if not isinstance(value, torch.Tensor):
-        return TensorType("none")
+        return _NONE_TYPES
     key = (value.dtype, value.shape)
     if cache is not None:
         try:
@@ -238,21 +246,24 @@ def _type(value, cache: dict | None = None) -> TensorType:
     if dtype not in _DTYPES:  # a dtype the IR has no short name for: teach it the long one
         _DTYPES[dtype] = str(dtype).removeprefix("torch.")
         DTYPE_BYTES.setdefault(_DTYPES[dtype], dtype.itemsize)
-    result = TensorType(_DTYPES[dtype], tuple(d if isinstance(d, int) else -1 for d in shape))
+    result = (TensorType(_DTYPES[dtype], tuple(d if isinstance(d, int) else -1 for d in shape)),)
     if cache is not None:
         cache[key] = result
     return result
 
 
+_NONE_TYPES = (TensorType("none"),)
+
+
 def value_types(node: fx.Node, cache: dict | None = None) -> tuple[TensorType, ...]:
     """The types of `meta["val"]` (a tensor, or a tuple/list of them); empty when absent.
-    `cache`: see `_type`."""
+    `cache`: see `_one_type`."""
     value = node.meta.get("val")
     if value is None:
         return ()
     if isinstance(value, (tuple, list)):
-        return tuple(_type(v, cache) for v in value)
-    return (_type(value, cache),)
+        return tuple(_one_type(v, cache)[0] for v in value)
+    return _one_type(value, cache)
 
 
 def _nbytes(node: fx.Node, notes: list[str]) -> int | None:
@@ -270,7 +281,7 @@ class _Lowering:
         self.backward_seen = False
         self.late_forward = 0
         # per-graph caches: (node.op, id(target)) -> _Target (by identity, so a target need not be
-        # hashable; the graph keeps every target alive), and (dtype, shape) -> TensorType
+        # hashable; the graph keeps every target alive), and (dtype, shape) -> (TensorType,)
         self.targets: dict[tuple[str, int], _Target] = {}
         self.types: dict = {}
         self.impurity: dict[tuple[str, int], bool] = {}  # (node.op, id(target)) -> node.is_impure
@@ -420,24 +431,26 @@ class _Lowering:
     def lower(self, node: fx.Node) -> Op:
         kind = node.op
         # the inputs read off the node's own dict of them (`all_input_nodes` copies it to a list)
-        base = {"name": node.name, "operands": tuple(map(_NAME, node._input_nodes)),
-                "types": value_types(node, self.types)}
+        name, operands = node.name, tuple(map(_NAME, node._input_nodes))
+        types = value_types(node, self.types)
         # the output ends the program and inputs read nothing: derive_effects's order rules
         # (ir/effects.py) then keep the graph's own order, which the manager relies on (api.py)
         if self.output is not None:
             raise LoweringError(f"%{node.name} follows the graph's output %{self.output}: nothing may")
         if kind == "placeholder":
-            if base["operands"]:
-                raise LoweringError(f"input %{node.name} reads {['%' + o for o in base['operands']]}: "
+            if operands:
+                raise LoweringError(f"input %{node.name} reads {['%' + o for o in operands]}: "
                                     "an input's default may not be another node")
-            return Input(target=str(node.target), **base)
+            return Input.make(name, operands, Phase.FORWARD, types, target=str(node.target))
         if kind == "output":
             self.output = node.name
-            base["types"] = ()
-            return Output(**base)
-        base["phase"] = self.phase(node)
+            return Output.make(name, operands, Phase.FORWARD, ())
+        phase = self.phase(node)
+        # the fields every op has, as `make` takes them first (lowering's ops are built with
+        # `Op.make`: no conversion, as every value here already has its field's type)
+        base = (name, operands, phase, types)  # for the helpers below
         if kind == "get_attr":
-            return Constant(target=str(node.target), **base)
+            return Constant.make(name, operands, phase, types, target=str(node.target))
         info = self.target(node)
         target = info.name
         meta = node.meta
@@ -452,7 +465,8 @@ class _Lowering:
             self.notes.append(f"%{node.name}: unknown comm_type={comm_type!r} (known: "
                               f"{', '.join(sorted(KNOWN_COMM_TYPES))}): treated as untagged")
         if meta.get(tags.BARRIER):
-            return Barrier(target=target, reason="tagged barrier", heavy=info.heavy, attention=info.attention, **base)
+            return Barrier.make(name, operands, phase, types, target=target, reason="tagged barrier", heavy=info.heavy,
+                                attention=info.attention)
         if comm_type in GATHER_TAGS and info.all_gather:
             return self.gather(node, target, GATHER_TAGS[comm_type], base)
         if comm_type in FREE_TAGS:
@@ -462,7 +476,7 @@ class _Lowering:
         if comm_type in GATHER_TAGS:
             self.notes.append(f"%{node.name}: comm_type={comm_type!r} on {target}, not a collective: ignored")
         if info.clone and meta.get(tags.BUCKET_COPY_OUT) is not None:
-            return CopyOut(target=target, bucket=str(meta[tags.BUCKET_COPY_OUT]), **base)
+            return CopyOut.make(name, operands, phase, types, target=target, bucket=str(meta[tags.BUCKET_COPY_OUT]))
         if info.view:
             return self.view(node, info, base)
         writes, alias, unknown = self.writes(node, info)
@@ -470,33 +484,37 @@ class _Lowering:
         # (torch calls Python's torch.rand* impure whatever impure_random says)
         random = info.random or (kind == "call_module" and _random_module(self.gm.get_submodule(node.target)))
         if (unknown or not writes) and not random and self.impure(node):
-            return Barrier(target=target, reason="side effect", heavy=info.heavy, attention=info.attention, **base)
+            return Barrier.make(name, operands, phase, types, target=target, reason="side effect",
+                                heavy=info.heavy, attention=info.attention)
         if unknown and writes:
             self.notes.append(f"%{node.name}: {target} is a call fxsched cannot see into: taken to write "
                               f"{', '.join('%' + w for w in writes)}")
         alias = self.shared(node) or alias
         if info.cast and not writes:
-            return Cast(target=target, alias=alias, **base)
-        return Compute(target=target, heavy=info.heavy, attention=info.attention, random=random, writes=writes,
-                       alias=alias, **base)
+            return Cast.make(name, operands, phase, types, target=target, alias=alias)
+        return Compute.make(name, operands, phase, types, target=target, heavy=info.heavy, attention=info.attention,
+                            random=random, writes=writes, alias=alias)
 
-    def view(self, node: fx.Node, info: _Target, base: dict) -> Op:
+    def view(self, node: fx.Node, info: _Target, base: tuple) -> Op:
         """A schema alias: a view; one that may copy (reshape, contiguous, to) is a view when its
         `meta["val"]` shares its input's storage, a computation when it does not, and a `maybe` view
         (ordered as an alias, never the ground of a use-after-free) when there is no val."""
+        name, operands, phase, types = base
         if not info.may_copy:
-            return View(target=info.name, **base)
+            return View.make(name, operands, phase, types, target=info.name)
         source = node.all_input_nodes[0] if node.all_input_nodes else None
         if source is not None and self.storage(node) is not None and self.storage(source) is not None:
             if self.storage(node) == self.storage(source):
-                return View(target=info.name, **base)
-            return Compute(target=info.name, heavy=info.heavy, attention=info.attention, **base)
+                return View.make(name, operands, phase, types, target=info.name)
+            return Compute.make(name, operands, phase, types, target=info.name, heavy=info.heavy,
+                                attention=info.attention)
         self.notes.append(f"%{node.name}: {info.name} may alias %{source.name if source else '?'} or copy it, and no "
                           "meta['val'] says which: ordered as an alias")
-        return View(target=info.name, maybe=True, **base)
+        return View.make(name, operands, phase, types, target=info.name, maybe=True)
 
-    def collective(self, node: fx.Node, info: _Target, comm_type, base: dict) -> Op:
+    def collective(self, node: fx.Node, info: _Target, comm_type, base: tuple) -> Op:
         """A launch with its one wait, a wait on a launch, or else an opaque op that keeps its place."""
+        name, operands, phase, types = base
         target = info.name
         writes, alias, _ = self.writes(node, info)
         group = _group(node, info)
@@ -504,24 +522,25 @@ class _Lowering:
             source = node.all_input_nodes[0] if len(node.all_input_nodes) == 1 else None
             if (source is not None and source.target is operator.getitem and isinstance(source.args[0], fx.Node)
                     and source.args[0].name in self.coalesced):
-                return Wait(target=target, launch=source.args[0].name, **base)  # one result of a coalesced launch
+                # one result of a coalesced launch
+                return Wait.make(name, operands, phase, types, target=target, launch=source.args[0].name)
             source = source.name if source is not None else None
             if source not in self.launches:
                 self.notes.append(f"%{node.name}: wait on {['%' + n.name for n in node.all_input_nodes]}, not on a "
                                   "launch: kept in place, in order with every group's collectives")
                 # it completes whatever its operand's collective writes: take it to write its operand
-                return Opaque(target=target, reason="wait on no launch", writes=tuple(n.name for n in node.all_input_nodes),
-                              **base)
+                return Opaque.make(name, operands, phase, types, target=target, reason="wait on no launch",
+                                   writes=tuple(n.name for n in node.all_input_nodes))
             # a wait completes its launch's write: it writes (and returns) the launch's result too
             launch_writes = self.launch_writes.get(source, ())
-            return Wait(target=target, writes=(source,) if launch_writes else (), alias=source if launch_writes else None,
-                        **base)
+            return Wait.make(name, operands, phase, types, target=target, writes=(source,) if launch_writes else (),
+                             alias=source if launch_writes else None)
         if self.opaque(node):
             reason = ("coalesced collective whose results are not each waited once" if info.coalesced
                       else "collective not waited exactly once")
             self.notes.append(f"%{node.name}: {target}: {reason}: kept in place, in order with group {group!r}")
-            return Opaque(target=target, group=group, group_size=_group_size(node, info), reason=reason,
-                          writes=writes, **base)
+            return Opaque.make(name, operands, phase, types, target=target, group=group,
+                               group_size=_group_size(node, info), reason=reason, writes=writes)
         if comm_type in GATHER_TAGS:
             self.notes.append(f"%{node.name}: comm_type={comm_type!r} on {target}: not a gather, kept in order")
         role = Role.REDUCE_SCATTER if comm_type == REDUCE_SCATTER_TAG else None
@@ -529,10 +548,12 @@ class _Lowering:
         if info.coalesced:
             self.coalesced.add(node.name)
         self.launch_writes[node.name] = writes
-        return Launch(target=target, group=group, group_size=_group_size(node, info), role=role, writes=writes,
-                      alias=alias, reduce_op=_reduce_op(node, info), **base)
+        return Launch.make(name, operands, phase, types, target=target, group=group,
+                           group_size=_group_size(node, info), role=role, writes=writes, alias=alias,
+                           reduce_op=_reduce_op(node, info))
 
-    def gather(self, node: fx.Node, target: str, role: Role, base: dict) -> Launch:
+    def gather(self, node: fx.Node, target: str, role: Role, base: tuple) -> Launch:
+        name, operands, phase, types = base
         users = list(node.users)
         info = self.target(node)
         if not self.waited(node):
@@ -553,11 +574,11 @@ class _Lowering:
                 params = tuple(members)
             bucket = str(bucket)
         else:
-            name = meta.get(tags.PARAM_NAME)
-            if isinstance(name, str) and name:
-                params = (name,)
+            param = meta.get(tags.PARAM_NAME)
+            if isinstance(param, str) and param:
+                params = (param,)
             else:
-                self.notes.append(f"%{node.name}: param_name={name!r} is not a name: not moved")
+                self.notes.append(f"%{node.name}: param_name={param!r} is not a name: not moved")
                 params, hold = (), NO_PARAMETER_NAME
         self.launches.add(node.name)
         if info.coalesced:
@@ -565,26 +586,27 @@ class _Lowering:
         # an `_out` gather (a bucket gathered into its packed buffer) writes its out buffer
         writes, alias, _ = self.writes(node, info)
         self.launch_writes[node.name] = writes
-        return Launch(target=target, group=_group(node, info), group_size=_group_size(node, info), role=role,
-                      nbytes=_nbytes(node, self.notes),
-                      params=params, bucket=bucket, hold=hold,
-                      prefetched=tags.PREFETCH_ANCHOR in meta,  # moved by an earlier run
-                      writes=writes, alias=alias, **base)
+        return Launch.make(name, operands, phase, types, target=target, group=_group(node, info),
+                           group_size=_group_size(node, info), role=role, nbytes=_nbytes(node, self.notes),
+                           params=params, bucket=bucket, hold=hold,
+                           prefetched=tags.PREFETCH_ANCHOR in meta,  # moved by an earlier run
+                           writes=writes, alias=alias)
 
-    def free(self, node: fx.Node, target: str, base: dict) -> Op:
-        name = node.meta.get(tags.PARAM_NAME)
+    def free(self, node: fx.Node, target: str, base: tuple) -> Op:
+        name, operands, phase, types = base
+        param = node.meta.get(tags.PARAM_NAME)
         members = node.meta.get(tags.BUCKET_MEMBERS)
         if isinstance(members, (list, tuple)) and members and all(isinstance(m, str) for m in members):
             params = tuple(members)
-        elif isinstance(name, str) and name:
-            params = (name,)
+        elif isinstance(param, str) and param:
+            params = (param,)
         else:
-            self.notes.append(f"%{node.name}: storage free without param_name ({name!r}): kept as a barrier")
-            return Barrier(target=target, reason="free without parameter name", **base)
+            self.notes.append(f"%{node.name}: storage free without param_name ({param!r}): kept as a barrier")
+            return Barrier.make(name, operands, phase, types, target=target, reason="free without parameter name")
         if not node.all_input_nodes:
             self.notes.append(f"%{node.name}: storage free with no tensor operand: kept as a barrier")
-            return Barrier(target=target, reason="free without operand", **base)
-        return Free(target=target, params=params, **base)
+            return Barrier.make(name, operands, phase, types, target=target, reason="free without operand")
+        return Free.make(name, operands, phase, types, target=target, params=params)
 
 
 def _group(node: fx.Node, info: _Target) -> str | None:
@@ -599,10 +621,9 @@ def _group(node: fx.Node, info: _Target) -> str | None:
 
 def _reduce_op(node: fx.Node, info: _Target) -> str | None:
     """The `reduce_op` argument of a functional reduction (reduce_scatter_tensor, all_reduce), if a string."""
-    arguments = [a.name for a in info.schema.arguments] if info.schema is not None else []
-    if "reduce_op" not in arguments:
+    at = info.reduce_op_at
+    if at is None:
         return None
-    at = arguments.index("reduce_op")
     value = node.args[at] if at < len(node.args) else node.kwargs.get("reduce_op")
     return value if isinstance(value, str) else None
 
