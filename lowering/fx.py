@@ -349,7 +349,7 @@ class _Lowering:
         if len(node.users) != 1:
             return False
         user = next(iter(node.users))
-        return self.target(user).wait and len(user.all_input_nodes) == 1
+        return self.target(user).wait and len(user._input_nodes) == 1
 
     def storage(self, node: fx.Node) -> int | None:
         """`_storage_key` of the node's `meta["val"]`, once per node."""
@@ -365,7 +365,7 @@ class _Lowering:
         key = self.storage(node)
         if key is None:
             return None
-        for operand in node.all_input_nodes:
+        for operand in node._input_nodes:
             if self.storage(operand) == key:
                 return operand.name
         return None
@@ -519,7 +519,7 @@ class _Lowering:
         writes, alias, _ = self.writes(node, info)
         group = _group(node, info)
         if info.wait:
-            source = node.all_input_nodes[0] if len(node.all_input_nodes) == 1 else None
+            source = next(iter(node._input_nodes)) if len(node._input_nodes) == 1 else None
             if (source is not None and source.target is operator.getitem and isinstance(source.args[0], fx.Node)
                     and source.args[0].name in self.coalesced):
                 # one result of a coalesced launch
@@ -554,9 +554,9 @@ class _Lowering:
 
     def gather(self, node: fx.Node, target: str, role: Role, base: tuple) -> Launch:
         name, operands, phase, types = base
-        users = list(node.users)
         info = self.target(node)
         if not self.waited(node):
+            users = list(node.users)
             must = ("a getitem per result, each with one user, a wait_tensor" if info.coalesced
                     else "exactly one user, a wait_tensor")
             raise LoweringError(
