@@ -362,8 +362,8 @@ def step_of(op, cost: float) -> tuple:
     if isinstance(op, Launch):
         gathered = result_bytes(op) if collective_kind(op.target) == "all_gather" else 0
         return (LAUNCH, cost, stream_of(op), gathered)
-    if isinstance(op, Wait) and op.operands:
-        return (WAIT, cost, None, op.operands[0])
+    if isinstance(op, Wait) and op.operands:  # a coalesced launch's wait reads a result view: its launch
+        return (WAIT, cost, None, op.launched_by)
     return (OTHER, cost, None, None)
 
 

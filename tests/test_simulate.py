@@ -361,3 +361,28 @@ def test_an_out_gather_writes_its_buffer_and_still_counts_in_flight():
     sim = simulate(p, costs=costs(p, ag=5.0, mm=2.0))
     assert sim.peak_bytes == 1024 + 2048 + 2048            # the shard, the buffer (returned), the product
     assert sim.max_inflight_bytes == 2048 and sim.inflight == ((0.0, 2048), (5.0, 0))
+
+
+def test_the_step_clock_waits_on_a_coalesced_collective_as_simulate_does():
+    """`Clock`, stepped op by op (the passes that time a stretch: bucket's trials,
+    overlap-reduce-scatter), takes a coalesced launch's waits as waits on it, as `simulate` does;
+    they read a result view, not the launch."""
+    from fxsched.cost.simulate import Clock, steps_of
+    p = ir("""
+        %x = input : f32[4]
+        ^entry
+        %a = compute "aten.exp.default"(%x) : f32[1024]
+        %b = compute "aten.exp.default"(%x) : f32[256]
+        %rs = launch "_c10d_functional.reduce_scatter_tensor_coalesced.default"(%a, %b) {group = "0", group_size = 2, reduce_op = "sum"} : (f32[512], f32[128])
+        %g0 = view "_operator.getitem"(%rs) : f32[512]
+        %w0 = wait(%g0) {launch = %rs} : f32[512]
+        %g1 = view "_operator.getitem"(%rs) : f32[128]
+        %w1 = wait(%g1) {launch = %rs} : f32[128]
+        %output = output(%w0, %w1)
+    """)
+    costs = {"a": 1.0, "b": 1.0, "rs": 5.0}
+    clock = Clock()
+    for name, step in steps_of(p, costs).items():
+        clock.step(name, step)
+    whole = simulate(p, costs=costs)
+    assert (clock.t, clock.exposed) == (whole.step_ms, whole.exposed_ms) == (7.0, 5.0)
