@@ -7,8 +7,8 @@ from collections import Counter
 from heapq import heappop, heappush
 from math import inf
 
-from ..cost.simulate import WAIT, Clock, step_of
-from ..ir import Program, Wait, waits_of
+from ..cost.simulate import OTHER, WAIT, Clock, step_of
+from ..ir import Program, waits_of
 
 
 def plan_waits(program: Program, ms, launches: list[str], travelling: set[str], limit: int) -> tuple[list[tuple[str, str]], dict]:
@@ -60,8 +60,9 @@ def plan_waits(program: Program, ms, launches: list[str], travelling: set[str], 
             taken[name], stepped[name] = len(taken), i - len(taken)
             fresh.append(name)
             continue
-        if fresh or held:
-            t, back = clock.t if stays[i] else -inf, set()   # past its end: only before an op that stays
+        t = clock.t if stays[i] else -inf   # past its end: only before an op that stays
+        if fresh or held and ((ends and ends[0][0] <= t) or (dues and dues[0][0] <= i) or level + rise[i] > limit):
+            back = set()
             while ends and ends[0][0] <= t:
                 back.add(heappop(ends)[2])
             while dues and dues[0][0] <= i:
@@ -69,16 +70,17 @@ def plan_waits(program: Program, ms, launches: list[str], travelling: set[str], 
             back &= held   # each heap holds every held wait, and some that went back already
             back.update(w for w in fresh if clock.ends[launch_of[w]] <= t or due[w] <= i)
             # held past this op, they must fit the budget up to the next op that stays put
-            rest = [w for w in (*held, *fresh) if w not in back] if stays[i] else [w for w in fresh if w not in back]
             gone = Counter(map(launch_of.get, back))
             peak = level + rise[i] - sum(nbytes[la] for la, k in gone.items() if k == left[la])
-            for wait in sorted(rest, key=lambda w: (clock.ends[launch_of[w]], taken[w])):
-                if peak <= limit:
-                    break
-                back.add(wait)
-                over.add(launch := launch_of[wait])
-                gone[launch] += 1
-                peak -= nbytes[launch] if gone[launch] == left[launch] else 0
+            if peak > limit:
+                rest = [w for w in (*held, *fresh) if w not in back] if stays[i] else [w for w in fresh if w not in back]
+                for wait in sorted(rest, key=lambda w: (clock.ends[launch_of[w]], taken[w])):
+                    if peak <= limit:
+                        break
+                    back.add(wait)
+                    over.add(launch := launch_of[wait])
+                    gone[launch] += 1
+                    peak -= nbytes[launch] if gone[launch] == left[launch] else 0
             for wait in fresh:
                 if wait not in back:
                     held.add(wait)
@@ -94,10 +96,10 @@ def plan_waits(program: Program, ms, launches: list[str], travelling: set[str], 
                 clock.step(wait, (WAIT, ms.get(wait, 0.0), None, launch))
                 left[launch] -= 1
                 level -= 0 if left[launch] else nbytes[launch]
-        op = node[name]["op"]
         level += nbytes.get(name, 0)
-        clock.step(name, (WAIT, ms.get(name, 0.0), None, op.launched_by) if isinstance(op, Wait)
-                   else step_of(op, ms.get(name, 0.0)))
+        s = step_of(node[name]["op"], ms.get(name, 0.0))
+        if s[0] != OTHER or s[1]:  # an op that is not a collective and costs nothing steps no clock
+            clock.step(name, s)
     overlapped -= over
     return plan, {"overlapped": len(overlapped), "over budget": len(over),
                   "in place": len(launches) - len(overlapped) - len(over)}
