@@ -4,7 +4,8 @@ Members: launches of one stream (process group and size), phase and kind (forwar
 re-gathers, or reduce-scatters of one reduce op) and dtype, in schedule order; buckets made by
 an FSDP pass (a launch with a `bucket`) are kept as they are and never merged. A gather bucket
 launches where its first member did, a reduce-scatter bucket where its last did; one wait goes
-where the first member was waited, and its copy-outs (gathers) or slices (reduce-scatters)
+where the first member was waited (for reduce-scatters, the first waited after the bucket
+launches), and its copy-outs (gathers) or slices (reduce-scatters)
 replace the members' waits there. Each new op takes over its members' effect edges through the
 rewriter, which refuses a bucket that would cross one (a free, a barrier, the phase boundary,
 a member's input not ready yet): that member is held with `bucket effect edge`.

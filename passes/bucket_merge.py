@@ -174,9 +174,15 @@ def _merge_reduce_scatters(program: Program, rw: Rewriter, members: list[Member]
 
 
 def _wait(program: Program, rw: Rewriter, members: list[Member], launch: Launch) -> tuple[str, Wait, Wait]:
-    """The bucket's one wait, created where its first member was waited: (that member's wait,
-    its op, the new wait). What the members' waits returned is rebuilt just after it."""
-    here = min((m.wait for m in members), key=program.schedule.index)
+    """The bucket's one wait, created where the first member was waited after the bucket
+    launches (where its last member launched): (that member's wait, its op, the new wait). What
+    the members' waits returned is rebuilt just after it. A member waited before the bucket
+    launches (overlap-reduce-scatter waits each as soon as its collective ends) is so waited
+    later; the rewriter refuses the bucket where a user or effect successor of that wait comes
+    before the new one."""
+    pos = program.schedule.index
+    launched = max(pos(m.launch) for m in members)
+    here = min((m.wait for m in members if pos(m.wait) > launched), key=pos)
     wait_op = program.op(here)
     wait, payload = _wait_op(launch, wait_op)
     return here, wait_op, rw.create(wait, before=here, payload=payload)
