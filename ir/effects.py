@@ -28,7 +28,7 @@ from __future__ import annotations
 from operator import itemgetter
 
 from .errors import InputError
-from .ops import Barrier, Compute, Free, Input, Launch, Marker, Op, Opaque, Output, Phase, View, Wait
+from .ops import WAIT_ON_NO_LAUNCH, Barrier, Compute, Free, Input, Launch, Marker, Op, Opaque, Output, Phase, View, Wait
 from .program import DATA, Program, Schedule
 
 ENTRY = "^entry"
@@ -238,7 +238,10 @@ def _storage_edges(program: Program, order: list[str], ops: list[Op]) -> None:
         if not operands:
             continue
         if type(op) is Wait and op.launched_by in in_flight:
-            _collective_read(program, name, op, in_flight[op.launched_by], roots, last_write, readers, freed)
+            _collective_read(program, name, op, op.launched_by, in_flight, roots, last_write, readers, freed)
+        elif type(op) is Opaque and op.reason == WAIT_ON_NO_LAUNCH and roots[operands[0]][0] in in_flight:
+            # a wait on an opaque collective's result completes it: the same read
+            _collective_read(program, name, op, roots[operands[0]][0], in_flight, roots, last_write, readers, freed)
         is_free = isinstance(op, Free)
         if op.writes or is_free:
             written = [roots[w][0] for w in op.writes]
@@ -265,7 +268,7 @@ def _storage_edges(program: Program, order: list[str], ops: list[Op]) -> None:
                 since = readers[root] = [name]
             elif since[-1] != name:
                 since.append(name)
-            if type(op) is Launch:
+            if type(op) is Launch or type(op) is Opaque:  # a collective reads until its wait
                 in_flight.setdefault(name, []).append((root, since))
         if not written:
             continue
@@ -288,15 +291,15 @@ def _storage_edges(program: Program, order: list[str], ops: list[Op]) -> None:
                 freed[root] = name
 
 
-def _collective_read(program: Program, name: str, op: Wait, reads: list[tuple[str, list[str]]],
+def _collective_read(program: Program, name: str, op: Op, launch: str, in_flight: dict[str, list],
                      roots: dict, last_write: dict[str, str], readers: dict[str, list[str]],
                      freed: dict[str, str]) -> None:
-    """The wait `name` reads what its launch read (the collective reads it until the wait), so
-    a later write or free of it follows the wait. `reads`: each storage the launch read, with its
-    readers list then (the same list still there: no write since, and no edge is needed)."""
+    """The wait `name` (`op`) reads what `launch` read (the collective reads it until the wait),
+    so a later write or free of it follows the wait. `in_flight[launch]`: each storage the launch
+    read, with its readers list then (the same list still there: no write since, and no edge is
+    needed)."""
     own = {roots[w][0] for w in op.writes}  # an in-place collective's wait writes its buffer
-    launch = op.launched_by
-    for root, then in reads:
+    for root, then in in_flight[launch]:
         if root in own:
             continue
         own.add(root)  # read once, however many operands share it

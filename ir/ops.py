@@ -292,6 +292,11 @@ class Barrier(Op):
     attention: bool = False
 
 
+# An `Opaque`'s reason when it is a wait on something that is not a launch (an opaque
+# collective's result): it completes that collective.
+WAIT_ON_NO_LAUNCH = "wait on no launch"
+
+
 @irop("opaque", movable=False)
 @attrs.frozen(kw_only=True)
 class Opaque(Op):

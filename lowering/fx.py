@@ -21,6 +21,7 @@ from ..ir import (DTYPE_BYTES, Barrier, EffectError, Cast, Compute, Constant, Co
                   Role, Schedule, TensorType, View, Wait, derive_effects)
 from ..ir.errors import InputError
 from ..ir.gcpause import gc_paused
+from ..ir.ops import WAIT_ON_NO_LAUNCH
 from ..ir import tags
 from ..ir.holds import BUCKET_WITHOUT_MEMBERS, NO_PARAMETER_NAME
 from ..ir.opclass import is_attention, is_heavy
@@ -529,7 +530,7 @@ class _Lowering:
                 self.notes.append(f"%{node.name}: wait on {['%' + n.name for n in node.all_input_nodes]}, not on a "
                                   "launch: kept in place, in order with every group's collectives")
                 # it completes whatever its operand's collective writes: take it to write its operand
-                return Opaque.make(name, operands, phase, types, target=target, reason="wait on no launch",
+                return Opaque.make(name, operands, phase, types, target=target, reason=WAIT_ON_NO_LAUNCH,
                                    writes=tuple(n.name for n in node.all_input_nodes))
             # a wait completes its launch's write: it writes (and returns) the launch's result too
             launch_writes = self.launch_writes.get(source, ())

@@ -55,6 +55,24 @@ WAIT_LINE = "    %w = wait(%rs) : f32[512]\n"
 assert ZERO in AFTER_THE_WAIT and WAIT_LINE in AFTER_THE_WAIT
 
 
+def test_a_write_of_an_opaque_collectives_input_follows_its_waits():
+    """A collective waited twice is opaque (kept in place); its waits are waits on no launch.
+    They complete it all the same: a later write of its input follows them, not only it."""
+    p = parse_program(dedent("""
+        %x = input : f32[4]
+        %buf = input : f32[1024]
+        ^entry
+        %ag = opaque "ag"(%buf) {group = "0", reason = "collective not waited exactly once"} : f32[2048]
+        %w1 = opaque "wait_tensor"(%ag) {reason = "wait on no launch", writes = [%ag]} : f32[2048]
+        %c = compute "aten.neg.default"(%x) : f32[1024]
+        %w2 = opaque "wait_tensor"(%ag) {reason = "wait on no launch", writes = [%ag]} : f32[2048]
+        %z = compute "aten.zero_.default"(%buf) {writes = [%buf], alias = %buf} : f32[1024]
+        %output = output(%w1, %w2, %c, %z)
+    """))
+    assert {("ag", "z"), ("w1", "z"), ("w2", "z")} <= edges(p, "storage")
+    verify(p)
+
+
 def test_a_write_of_a_collectives_input_follows_its_wait_not_only_its_launch():
     p = parse_program(dedent(AFTER_THE_WAIT))
     assert ("w", "z") in edges(p, "storage") and p.notes == []
