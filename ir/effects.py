@@ -9,8 +9,9 @@ Each op has effects on resources, as MLIR's memory effects:
   the free is an error: the input graph uses freed memory; through a `maybe` view it is only a
   note, that view may be a copy). Edges run from the last writer and from the readers since,
   so a storage costs its accesses, not their square. A collective reads its inputs until its
-  wait (the launch is asynchronous), so a wait reads its launch's operands too: their next write
-  or free follows the wait, not only the launch (in the input order a write or free between
+  wait (the launch is asynchronous), so a wait reads its launch's operands too (a wait on an
+  opaque collective's result, its collective's): their next write or free follows the wait, not
+  only the launch (in the input order a write or free between
   launch and wait is kept there, with a note: the input races with its own collective);
 - `regather` — a gather follows the latest earlier free of each of its parameters;
 - `collective-order` — non-gather collectives (and opaque ones) of one process group keep
