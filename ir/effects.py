@@ -240,9 +240,9 @@ def _storage_edges(program: Program, order: list[str], ops: list[Op]) -> None:
             continue
         if type(op) is Wait and op.launched_by in in_flight:
             _collective_read(program, name, op, op.launched_by, in_flight, roots, last_write, readers, freed)
-        elif type(op) is Opaque and op.reason == WAIT_ON_NO_LAUNCH and roots[operands[0]][0] in in_flight:
+        elif type(op) is Opaque and op.reason == WAIT_ON_NO_LAUNCH and (launch := roots[operands[0]][0]) in in_flight:
             # a wait on an opaque collective's result completes it: the same read
-            _collective_read(program, name, op, roots[operands[0]][0], in_flight, roots, last_write, readers, freed)
+            _collective_read(program, name, op, launch, in_flight, roots, last_write, readers, freed)
         is_free = isinstance(op, Free)
         if op.writes or is_free:
             written = [roots[w][0] for w in op.writes]
