@@ -27,6 +27,14 @@ with `Operand(i)` for its operands), which raising turns into an FX node.
 Edges are handled generically — whatever rule made them — so the rewriter does not depend on
 how effects were derived. The rewriter keeps the schedule a permutation of the nodes; the
 pass manager fully re-verifies after a pass that is not `reorders_only`.
+
+A new read of a storage needs ordering only against the storage's writes and frees, so the
+rewriter keeps each storage's writers (`_writers`) between its edits instead of walking every
+reader per create (a bucket's K copy-outs read one storage: that walk made a bucket O(K^2)).
+The cache is dropped where an edit can change a writer set: a created op that writes or frees,
+a `replace_uses` (the two storages the users move between), an `erase`. So a program must
+change only through its rewriter while one is in use (each bucket and each unsharded parameter
+takes a rewriter of its own).
 """
 
 from __future__ import annotations
@@ -71,6 +79,7 @@ class Rewriter:
         self.created = 0
         self.erased = 0
         self.replaced = 0
+        self._writer_cache: dict[str, frozenset[str]] = {}  # storage root -> its writers (see module doc)
 
     # ---- create -----------------------------------------------------------------------
     def create(self, op: Op, *, before: str, payload: object = None) -> Op:
@@ -89,6 +98,8 @@ class Rewriter:
                 raise RewriteError(f"create(%{op.name}): operand %{operand} is not scheduled before %{before}")
         program.add(op)
         program.schedule.insert_before(op.name, before)
+        if isinstance(op, Free) or getattr(op, "writes", ()):  # a new writer of some storage
+            self._writer_cache.clear()
         try:  # its reads of existing storage keep their order with that storage's writes and free
             edges = [e for operand in dict.fromkeys(op.operands) for e in self._storage_order([op.name], operand)]
             if isinstance(op, Wait) and op.launched_by in program.graph:
@@ -161,6 +172,9 @@ class Rewriter:
             if pos(new) >= pos(user):
                 raise RewriteError(f"replace_uses(%{old}, %{new}): %{new} is not scheduled before its new user %{user}")
         saved = {user: (program.op(user), dict(graph.pred[user])) for user in users}
+        # the users (and what reads through them) move from old's storage to new's
+        self._writer_cache.pop(storage_root(program, old), None)
+        self._writer_cache.pop(storage_root(program, new), None)
         for user in users:
             op = program.op(user)
             graph.nodes[user]["op"] = _with_operands(op, old, new)
@@ -193,21 +207,37 @@ class Rewriter:
         program = self.program
         pos = program.schedule.index
         root = storage_root(program, new)
-        accessors = storage_readers(program, root)
-        fresh = set(users)
-        for user in users:  # what reads the storage through a user that aliases it
-            fresh |= storage_readers(program, user) & accessors
-        writes = {a: _writes(program, a, root) for a in accessors | fresh}
+        succ = program.graph._succ
+        if not any(succ[u] for u in users) and not any(_writes(program, u, root) for u in users):
+            # new reads only (nothing reads through them yet): only the storage's writers order them
+            fresh, others = set(users), self._writers(root)
+            writes = dict.fromkeys(others, True)
+        else:
+            accessors = storage_readers(program, root)
+            fresh = set(users)
+            for user in users:  # what reads the storage through a user that aliases it
+                fresh |= storage_readers(program, user) & accessors
+            writes = {a: _writes(program, a, root) for a in accessors | fresh}
+            others = accessors
         edges = []
         for a in sorted(fresh, key=pos):
-            for b in accessors:
-                if b == a or (b in fresh and pos(b) < pos(a)) or not (writes[a] or writes[b]):
+            for b in others:
+                if b == a or (b in fresh and pos(b) < pos(a)) or not (writes.get(a, False) or writes[b]):
                     continue  # a pair of new accesses is taken once, from its earlier one
                 first, then = (a, b) if pos(a) < pos(b) else (b, a)
                 if isinstance(program.op(first), Free) and not isinstance(program.op(then), Free):
                     raise RewriteError(f"%{then} would read storage that %{first} frees before it")
                 edges.append((first, then, "free" if isinstance(program.op(then), Free) else "storage"))
         return edges
+
+    def _writers(self, root: str) -> frozenset[str]:
+        """The ops that write or free `root`'s storage among its accessors (kept between edits)."""
+        writers = self._writer_cache.get(root)
+        if writers is None:
+            program = self.program
+            writers = self._writer_cache[root] = frozenset(
+                a for a in storage_readers(program, root) if _writes(program, a, root))
+        return writers
 
     # ---- erase ------------------------------------------------------------------------
     def erase(self, name: str) -> None:
@@ -228,6 +258,7 @@ class Rewriter:
         graph.remove_node(name)
         program.schedule.remove(name)
         program.payload.pop(name, None)
+        self._writer_cache.clear()  # it may have been a writer, or read through an alias of one
         self.erased += 1
 
 

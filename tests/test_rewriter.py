@@ -153,3 +153,59 @@ def test_replace_uses_orders_a_launchs_wait_before_a_free_of_its_new_input():
     with pytest.raises(RewriteError, match="%rw would read storage that %hf frees before it"):
         Rewriter(early).replace_uses("g", "h", only={"rs"})
     assert early.op("rs").operands == ("g",)
+
+
+def test_a_rewriter_orders_new_reads_against_writers_made_or_moved_since_it_last_looked():
+    # the rewriter keeps each storage's writers between edits: a writer it creates, and one
+    # that replace_uses moves onto the storage, order the reads made after them
+    program = parse_program(TEXT)
+    rewriter = Rewriter(program)
+    rewriter.create(Compute(name="r1", operands=("v",), target="aten.neg"), before="y")  # %t's writers: %f
+    rewriter.create(Compute(name="inplace", operands=("v",), target="aten.add_", writes=("v",), alias="v"),
+                    before="y")
+    rewriter.create(Compute(name="r2", operands=("t",), target="aten.neg"), before="y")
+    assert program.graph.edges["inplace", "r2"]["why"] == "storage"
+    assert program.graph.edges["r1", "inplace"]["why"] == "storage"
+    verify(program)
+    # %rf (a free of %rt) moves onto %t: a read of %t created after it is ordered before it
+    rewriter.erase("f")
+    rewriter.create(Compute(name="r3", operands=("t",), target="aten.neg", phase=Phase.BACKWARD), before="g")
+    assert not program.graph.has_edge("r3", "rf")
+    rewriter.replace_uses("rt", "t")
+    rewriter.create(Compute(name="r4", operands=("t",), target="aten.neg", phase=Phase.BACKWARD), before="g")
+    assert program.graph.edges["r4", "rf"]["why"] == "free"
+    for name in ("rt", "rag"):
+        rewriter.erase(name)
+    verify(program)
+
+
+@pytest.mark.parametrize("model, width", [("gpt", 32), ("encoder", 32), ("gpt", 1024)])
+def test_rewrites_add_the_edges_a_walk_of_every_reader_adds(model, width, monkeypatch):
+    # the rewriter's kept writer sets against a walk of the storage's readers per edit (what it
+    # did before it kept them): the same IR, effect edges and why, after unshard and bucket
+    from fxsched.ir import print_program
+    from fxsched.front import fsdp_joint_graph
+    from fxsched.lowering import lower
+    from fxsched.models import build_model
+    from fxsched.passes import PassManager
+
+    module, inputs, loss = build_model(model, layers=2, width=width, seed=1)
+    base = lower(fsdp_joint_graph(module, inputs, lambda m, *xs: loss(m(*xs), *xs), 2).gm)
+
+    def run():
+        program = base.copy()
+        result = PassManager("default,unshard,bucket").run(program)
+        edges = sorted((a, b, e["kind"], e.get("why")) for a, b, e in program.graph.edges(data=True))
+        return print_program(program, effects=True), edges, result
+
+    kept, kept_edges, result = run()
+    assert any(r.changed for p, r in result.results if p.name == "bucket")  # buckets were made
+    walk = Rewriter._writers
+
+    def walked(self, root):
+        self._writer_cache.clear()
+        return walk(self, root)
+
+    monkeypatch.setattr(Rewriter, "_writers", walked)
+    walked_text, walked_edges, _ = run()
+    assert kept == walked_text and kept_edges == walked_edges
