@@ -97,38 +97,110 @@ class _SharedBaseSweep(Sweep):
         self._anchor(before)
         self.advance(at)
         base = self._base(at)
-        trial = self.clock.fork()
         steps, cur_skip, cur_before, order, live = self.steps, self.skip, self.before, self.order, self.live
+        state, start_set, launched, waited = self._state, base["start"], base["launched"], base["waited"]
+        # the base's ends: an overlay on the sweep's, whose own entries (read with dict.get, not
+        # the overlay's Python get) are what the base stepped
+        base_ends, shared, own_get = base["clock"].ends, self.clock.ends, dict.get
+        # the trial's clock (a fork of the sweep's), stepped here by `Clock.step`'s rules: the same
+        # operations in the same order, on locals (a method call per op was most of a trial)
+        clock = self.clock
+        t, exposed, level, peak, last = clock.t, clock.exposed, clock.level, 0, clock.t
+        free, pending, own = dict(clock.free), dict(clock.pending), {}
+        inf = math.inf
+
+        def same(i: int) -> bool:
+            """`Clock.same` of the base just after slot `i` and the trial, without the base's
+            clock: the same collectives in flight (as many, and each of the trial's in flight in
+            the base, from where the base launched and waited it), each as far ahead of its
+            compute time."""
+            a, _, free_b, count = state(base, i)
+            if count != len(pending):
+                return False
+            for stream in free_b.keys() | free.keys():
+                if abs(max(free_b.get(stream, 0.0) - a, 0.0) - max(free.get(stream, 0.0) - t, 0.0)) > 1e-9:
+                    return False
+            for n in pending:
+                if not (n in start_set or launched.get(n, inf) <= i) or waited.get(n, inf) <= i:
+                    return False
+                eb = own_get(base_ends, n)
+                et = own.get(n)
+                if abs(max((shared[n] if eb is None else eb) - a, 0.0)
+                       - max((shared[n] if et is None else et) - t, 0.0)) > 1e-9:
+                    return False
+            return True
+
+        def result(i: int, converged: bool) -> tuple[float, float, int]:
+            bt, b_exposed, b_free, _ = state(base, i)
+            high = max(peak, level)
+            if converged:
+                return t - bt, exposed - b_exposed, high
+            return (max(t, max(free.values(), default=0.0)) - max(bt, max(b_free.values(), default=0.0)),
+                    exposed - b_exposed, high)
+
         j = bisect_left(live, at)
+        n_live = len(live)
         end_live = end < len(order) and order[end] in self.live_names
-        while j < len(live):
+        while j < n_live:
             i = live[j]
             if not end_live and i > end:   # the check at `end`, an op that steps nothing
                 end_live = True
-                if order[end] not in cur_skip and self._same(base, end, trial):
-                    return self._result(base, end, trial, True)
+                if order[end] not in cur_skip and same(end):
+                    return result(end, True)
             name = order[i]
-            for new, s in cur_before.get(name, ()):
-                trial.step(new, s)
-            for new, s in before.get(name, ()):
-                trial.step(new, s)
-            if name not in cur_skip:
-                s = steps[name]
-                if name not in skip:
-                    trial.step(name, s)
-                if i >= end and (s[0] != OTHER or i == end) and self._same(base, i, trial):
-                    return self._result(base, i, trial, True)
+            if name in cur_before or name in before:
+                todo = [*cur_before.get(name, ()), *before.get(name, ())]
+                if name not in cur_skip and name not in skip:
+                    todo.append((name, steps[name]))
+            elif name in cur_skip or name in skip:
+                todo = ()
+            else:
+                todo = ((name, steps[name]),)
+            for step_name, (kind, cost, stream, extra) in todo:
+                if kind == LAUNCH:
+                    begin = free.get(stream, 0.0)
+                    if begin < t:
+                        begin = t
+                    done = begin + cost
+                    free[stream] = done
+                    own[step_name] = done
+                    pending[step_name] = extra
+                    if extra:
+                        if t != last:  # a run of equal times ended: its level counts
+                            if level > peak:
+                                peak = level
+                            last = t
+                        level += extra
+                    continue
+                if kind == WAIT:
+                    done = own.get(extra)
+                    if done is None:
+                        done = shared.get(extra)
+                    if done is not None:
+                        if done > t:
+                            exposed += done - t
+                            t = done
+                        gathered = pending.pop(extra, 0)
+                        if gathered:
+                            if t != last:
+                                if level > peak:
+                                    peak = level
+                                last = t
+                            level -= gathered
+                t = t + cost
+            if i >= end and name not in cur_skip and (steps[name][0] != OTHER or i == end) and same(i):
+                return result(i, True)
             j += 1
-        if not end_live and order[end] not in cur_skip and self._same(base, end, trial):
-            return self._result(base, end, trial, True)
-        return self._result(base, len(order) - 1, trial, False)
+        if not end_live and order[end] not in cur_skip and same(end):
+            return result(end, True)
+        return result(len(order) - 1, False)
 
     def _base(self, at: int) -> dict:
         """The shared run from slot `at` (stepped no further than a trial asked)."""
         if self.base is None or self.base["at"] != at:
             clock = self.clock.fork()
-            self.base = {"at": at, "clock": clock, "next": bisect_left(self.live, at), "start": set(clock.pending),
-                         "launched": {}, "waited": {}, "state": {},
+            self.base = {"at": at, "clock": clock, "next": bisect_left(self.live, at),
+                         "start": set(clock.pending), "launched": {}, "waited": {}, "state": {},
                          "first": (clock.t, clock.exposed, dict(clock.free), len(clock.pending))}
         return self.base
 
@@ -158,31 +230,6 @@ class _SharedBaseSweep(Sweep):
             k = bisect_left(live, i) - 1
             state[i] = state[live[k]] if k >= 0 and live[k] >= base["at"] else base["first"]
         return state[i]
-
-    def _same(self, base: dict, i: int, trial, tol: float = 1e-9) -> bool:
-        """`Clock.same` of the base just after slot `i` and `trial`, without the base's clock:
-        the same collectives in flight (as many, and each of the trial's in flight in the base,
-        from where the base launched and waited it), each as far ahead of its compute time."""
-        a, _, free, count = self._state(base, i)
-        if count != len(trial.pending):
-            return False
-        b = trial.t
-        for stream in free.keys() | trial.free.keys():
-            if abs(max(free.get(stream, 0.0) - a, 0.0) - max(trial.free.get(stream, 0.0) - b, 0.0)) > tol:
-                return False
-        start, launched, waited, ends = base["start"], base["launched"], base["waited"], base["clock"].ends
-        for n in trial.pending:
-            if not (n in start or launched.get(n, math.inf) <= i) or waited.get(n, math.inf) <= i:
-                return False
-            if abs(max(ends.get(n) - a, 0.0) - max(trial.ends.get(n) - b, 0.0)) > tol:
-                return False
-        return True
-
-    def _result(self, base: dict, i: int, trial, converged: bool) -> tuple[float, float, int]:
-        t, exposed, free, _ = self._state(base, i)
-        if converged:
-            return trial.t - t, trial.exposed - exposed, trial.close_level()
-        return trial.step_ms() - max(t, max(free.values(), default=0.0)), trial.exposed - exposed, trial.close_level()
 
 
 def _in_flight(clock, name: str, s: tuple, at: int, launched: dict, waited: dict) -> None:
