@@ -41,7 +41,7 @@ from ..ir.holds import OVER_PEAK_CAP, SAVES_TOO_LITTLE, register_hold
 from ..ir.rewriter import RewriteError
 from .base import ModulePass, PassContext, PassResult, check_budget, check_ms, option, register_pass
 from .bucket_merge import GATHER_OP, REDUCE_SCATTER_OP, WAIT_OP, Member, merge
-from .bucket_trials import Trial, Trials
+from .bucket_trials import Trial, Trials, settle
 from .memory_cap import GIB, cap_bytes, rewrite_cap, rewrite_stats
 
 
@@ -107,6 +107,7 @@ class Bucket(ModulePass):
                         except RewriteError:
                             held[run[end].launch] = EFFECT_EDGE
                             break
+                        trial, best = settle(trial, best, inflight_cap, self.min_saved_ms)
                         reason = self.refusal(trial, best, cap, inflight_cap)
                         if reason is not None:
                             held[run[end].launch] = reason

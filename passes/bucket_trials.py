@@ -26,7 +26,7 @@ other.
 from __future__ import annotations
 
 import math
-from bisect import bisect_left, insort
+from bisect import bisect_left, bisect_right, insort
 from collections import Counter
 
 import attrs
@@ -58,6 +58,33 @@ class Trial:
     step_ms: float
     peak_bytes: int
     inflight_bytes: int
+    #: the sweep's exact figures (step, in flight) for this trial, where `step_ms` and
+    #: `inflight_bytes` are the fast path's (see `_SharedBaseSweep.quick`); None: they are exact
+    exact: object = attrs.field(default=None, eq=False, repr=False)
+
+    def exactly(self) -> Trial:
+        """This trial with the sweep's exact figures (itself when it has them)."""
+        if self.exact is None:
+            return self
+        step_ms, inflight = self.exact()
+        return attrs.evolve(self, step_ms=step_ms, inflight_bytes=inflight, exact=None)
+
+
+#: where a fast figure is this close to what decides (ms), the exact one decides
+NEAR_MS = 1e-6
+
+
+def settle(trial: Trial, best: Trial | None, inflight_cap: float, margin: float) -> tuple[Trial, Trial | None]:
+    """`trial` and `best` (the bucket before it) with exact figures wherever a fast one could
+    decide differently from the exact one: its in-flight bound over the cap, or its step within
+    NEAR_MS of the step it must beat (`best`'s, less `margin`; 0 without a best). The fast step
+    is within ~1e-9 ms of the exact one (`_SharedBaseSweep.quick`), so elsewhere both decide alike."""
+    if trial.inflight_bytes > inflight_cap:
+        trial = trial.exactly()
+    if abs(trial.step_ms - ((best.step_ms if best else 0.0) - margin)) <= NEAR_MS:
+        trial = trial.exactly()
+        best = best.exactly() if best is not None else None
+    return trial, best
 
 
 class _SharedBaseSweep(Sweep):
@@ -77,11 +104,158 @@ class _SharedBaseSweep(Sweep):
         self.live = [i for i, n in enumerate(order) if steps[n][0] != OTHER or steps[n][1] != 0.0]
         self.live_names = {order[i] for i in self.live}
         self.base = None   # the shared run: its first slot and state (see `_base`)
+        self.quick_base = None  # the quick trials' run of the base (see `quick`)
+        self.slot = {n: i for i, n in enumerate(order)}
+        self.dirty = -1    # the last slot a made change touched: the tails hold after it
+        self._tails()
 
     def make(self, skip: set[str], before: dict[str, list]) -> None:
         super().make(skip, before)
-        self.base = None
+        self.base = self.quick_base = None
         self._anchor(before)
+        slot = self.slot
+        self.dirty = max(self.dirty, *(slot[n] for n in skip), *(slot[n] for n in before))
+
+    def _tails(self) -> None:
+        """What each part of the state just before slot x adds to the step, by the program after
+        x as it is now (a backward pass over `Clock.step`'s rules, which are max-plus linear):
+        the step is the largest of t + tail_t[x], each stream's free + tail_free[x][stream]
+        (0 where absent) and each pending collective's end + tail_end[it]; and the largest
+        gathered bytes in flight after each slot from x on (`level_after`). Ends are one number
+        per collective, as each is waited once (a collective waited twice: `quick` is off)."""
+        order, steps = self.order, self.steps
+        launched, waits = set(), Counter()
+        level, levels, pending = 0, [], {}
+        for name in order:
+            kind, _, _, extra = steps[name]
+            if kind == LAUNCH:
+                launched.add(name)
+                pending[name] = extra
+                level += extra
+            elif kind == WAIT and extra in launched:
+                waits[extra] += 1
+                level -= pending.pop(extra, 0)
+            levels.append(level)
+        self.quick_ok = all(k == 1 for k in waits.values())
+        n = len(order)
+        tail_t, tail_free, tail_end = 0.0, {}, {}
+        ts, frees = [0.0] * (n + 1), [tail_free] * (n + 1)
+        level_after, high = [0] * (n + 1), 0
+        ninf = -math.inf
+        for i in range(n - 1, -1, -1):
+            name = order[i]
+            kind, cost, stream, extra = steps[name]
+            if kind == LAUNCH:  # start = max(t, free); end = start + cost, which free and its wait read
+                g = cost + max(tail_free.get(stream, 0.0), tail_end.get(name, ninf))
+                if g > tail_t:
+                    tail_t = g
+                tail_free = {**tail_free, stream: g}
+            elif kind == WAIT and extra in launched and self.slot[extra] < i:  # t = max(t, end) + cost
+                e = tail_t + cost
+                if e > tail_end.get(extra, ninf):
+                    tail_end[extra] = e
+                tail_t = e
+            else:
+                tail_t = tail_t + cost
+            ts[i], frees[i] = tail_t, tail_free
+            if levels[i] > high:
+                high = levels[i]
+            level_after[i] = high
+        self.tail_t, self.tail_free, self.tail_end, self.level_after = ts, frees, tail_end, level_after
+
+    def _final(self, x: int, t: float, free: dict, pending, end_of) -> float:
+        """The step of a run in state (t, free, pending, ends) just before slot x, by the tails."""
+        step = t + self.tail_t[x]
+        tail_free, tail_end = self.tail_free[x], self.tail_end
+        for stream, f in free.items():
+            f += tail_free.get(stream, 0.0)
+            if f > step:
+                step = f
+        for n in pending:
+            e = tail_end.get(n)
+            if e is not None:
+                e += end_of(n)
+                if e > step:
+                    step = e
+        return step
+
+    def quick(self, at: int, end: int, skip: set[str], before: dict[str, list]):
+        """(step change, a bound on the most gathered bytes in flight) of a trial, or None where
+        the tails do not hold (a change made at or after `end`, a collective waited twice).
+
+        Instead of running trial and base on until they run the same (`trial`), both are run to
+        just after `end` and their steps read off the tails there (`_tails`): a trial costs
+        order[at:end], not the stretch until the two agree. The step change is the exact one up
+        to rounding and `Clock.same`'s tolerance (~1e-9 ms; `settle` lets the exact one decide
+        near a tie); in flight: the trial's own level to `end`, then the base's largest level
+        after it (the two have the same collectives in flight from there on)."""
+        if not self.quick_ok or end < self.dirty or end + 1 > len(self.order):
+            return None
+        self._anchor(before)
+        self.advance(at)
+        live, order, steps, cur_skip, cur_before = self.live, self.order, self.steps, self.skip, self.before
+        stop = bisect_right(live, end)
+        qb = self.quick_base
+        if qb is None or qb[0] != at:
+            qb = self.quick_base = [at, self.clock.fork(), bisect_left(live, at)]
+        if qb[2] > stop:  # the base ran past this trial's end (an earlier, longer trial)
+            return None
+        base = qb[1]
+        for j in range(qb[2], stop):
+            name = order[live[j]]
+            for new, s in cur_before.get(name, ()):
+                base.step(new, s)
+            if name not in cur_skip:
+                base.step(name, steps[name])
+        qb[2] = stop
+        clock = self.clock
+        t, level, peak, last = clock.t, clock.level, 0, clock.t
+        free, pending, own, shared = dict(clock.free), dict(clock.pending), {}, clock.ends
+        for j in range(bisect_left(live, at), stop):
+            name = order[live[j]]
+            if name in cur_before or name in before:
+                todo = [*cur_before.get(name, ()), *before.get(name, ())]
+                if name not in cur_skip and name not in skip:
+                    todo.append((name, steps[name]))
+            elif name in cur_skip or name in skip:
+                continue
+            else:
+                todo = ((name, steps[name]),)
+            for step_name, (kind, cost, stream, extra) in todo:  # Clock.step, as in `trial`
+                if kind == LAUNCH:
+                    begin = free.get(stream, 0.0)
+                    if begin < t:
+                        begin = t
+                    done = begin + cost
+                    free[stream] = done
+                    own[step_name] = done
+                    pending[step_name] = extra
+                    if extra:
+                        if t != last:
+                            if level > peak:
+                                peak = level
+                            last = t
+                        level += extra
+                    continue
+                if kind == WAIT:
+                    done = own.get(extra)
+                    if done is None:
+                        done = shared.get(extra)
+                    if done is not None:
+                        if done > t:
+                            t = done
+                        gathered = pending.pop(extra, 0)
+                        if gathered:
+                            if t != last:
+                                if level > peak:
+                                    peak = level
+                                last = t
+                            level -= gathered
+                t = t + cost
+        x = end + 1
+        trial_step = self._final(x, t, free, pending, lambda n: own[n] if n in own else shared[n])
+        base_step = self._final(x, base.t, base.free, base.pending, base.ends.get)
+        return trial_step - base_step, max(peak, level, self.level_after[x])
 
     def _anchor(self, before) -> None:
         """Slots with new steps before them are stepped, whatever their own op."""
@@ -267,7 +441,7 @@ class Trials:
         self.shown: Counter = Counter()  # the changes of the trial the tree holds on top of the made buckets
         self.scratch = Program()
 
-    def evaluate(self, members: list[Member], kind: str, name: str) -> Trial:
+    def evaluate(self, members: list[Member], kind: str, name: str, known: Trial | None = None) -> Trial:
         program, slot = self.program, self.slot
         plan = DryRun(program, self.cache)
         merge(program, members, kind, name, plan)  # raises RewriteError where it would
@@ -279,11 +453,29 @@ class Trials:
         for anchor, ops in plan.before.items():
             steps.setdefault(anchor, []).extend((op.name, step_of(op, costs[op.name])) for op, _ in ops)
         touched = [slot[n] for n in skip | set(plan.before)]
-        step_ms, _, inflight = self.sweep.trial(min(touched), max(touched), skip, steps)
+        if known is None:
+            step_ms, inflight, exact = self.run(min(touched), max(touched), skip, steps)
+        else:  # the growth tried this very bucket last (the same stretch, skips and steps)
+            step_ms, inflight, exact = known.step_ms, known.inflight_bytes, known.exact
         live = tuple(_live_changes(kind, plan, members, name, slot, self.profile, self.released,
                                    self.first_free, self.kept))
         self.show(live)
-        return Trial(plan, costs, skip, steps, live, step_ms, self.tree.max(0, len(slot)), inflight)
+        return Trial(plan, costs, skip, steps, live, step_ms, self.tree.max(0, len(slot)), inflight, exact)
+
+    def run(self, at: int, end: int, skip, steps: dict) -> tuple[float, int, object]:
+        """(step change, gathered bytes in flight, the exact figures' callable or None) of a
+        trial: the sweep's quick figures where it has them, else its exact ones."""
+        sweep = self.sweep
+        quick = sweep.quick(at, end, skip, steps)
+        if quick is None:
+            step_ms, _, inflight = sweep.trial(at, end, skip, steps)
+            return step_ms, inflight, None
+        skip = frozenset(skip)  # (a growing bucket's skips grow on)
+
+        def exact():
+            step, _, high = sweep.trial(at, end, skip, steps)
+            return step, high
+        return quick[0], quick[1], exact
 
     def grow(self, first: Member, kind: str, name: str):
         """Trials of the bucket that starts with `first`, each one member more than the one before."""
@@ -454,7 +646,7 @@ class _GatherGrowth:
                  + _timed(pack, trials, self.dry, costs) + _timed(launch, trials, self.dry, costs),
                  self.here: _timed(wait, trials, self.dry, costs) + _timed(grid, trials, self.dry, costs)
                  + self.copy_steps}
-        step_ms, _, inflight = trials.sweep.trial(self.at, self.end, self.skip, steps)
+        step_ms, inflight, exact = trials.run(self.at, self.end, self.skip, steps)
         # the curve: the new members' changes, and the bucket's own in place of the trial's before
         added = self.member_live[len(self.applied):]
         bucket_live = _gather_bucket_changes(alloc_bytes(pack), alloc_bytes(launch), self.hoisted_bytes,
@@ -463,7 +655,8 @@ class _GatherGrowth:
         self._show(self.bucket_live, -1)
         self._show(bucket_live, +1)
         self.applied, self.bucket_live = self.member_live[:], bucket_live
-        return Trial(None, costs, frozenset(), steps, (), step_ms, trials.tree.max(0, len(self.slot)), inflight)
+        return Trial(None, costs, frozenset(), steps, (), step_ms, trials.tree.max(0, len(self.slot)), inflight,
+                     exact)
 
     def _show(self, changes, sign: int) -> None:
         """Add (+1) or take back (-1) `changes` in the tree and in what it is said to show."""
@@ -485,7 +678,7 @@ class _GatherGrowth:
         trials.show(())
         if best is None:
             return None
-        return trials.evaluate(members, "gather", self.name)
+        return trials.evaluate(members, "gather", self.name, known=best)
 
 
 def _timed(op, trials: Trials, plan: DryRun, costs: dict | None = None) -> list:

@@ -363,11 +363,13 @@ def test_trials_sharing_one_base_run_give_what_sweep_trial_gives(layers, buckets
                                                                  barriers, seed, extra, min_saved):
     """Every trial the pass makes, answered by the sweep that steps the program as it is once per
     bucket and passes over ops that step no clock, is answered exactly (same floats) as
-    `Sweep.trial`, which steps both programs side by side, answers it."""
+    `Sweep.trial`, which steps both programs side by side, answers it; a quick answer (run to the
+    trial's last touched op, the rest read off the tails) is within a tenth of NEAR_MS of it, and
+    its in-flight figure is no lower."""
     from fxsched.cost.simulate import Sweep
     from fxsched.passes import bucket_trials
 
-    answers = []
+    answers, quick = [], []
 
     class Both(bucket_trials._SharedBaseSweep):
         def __init__(self, order, steps):
@@ -384,10 +386,41 @@ def test_trials_sharing_one_base_run_give_what_sweep_trial_gives(layers, buckets
             answers.append((got, want))
             return got
 
+        def quick(self, at, end, skip, before):
+            got = super().quick(at, end, skip, before)
+            if got is not None:
+                quick.append((got, self.plain.trial(at, end, skip, before)))
+            return got
+
     options = dict(layers=layers, buckets=buckets, mixed_precision=mixed_precision, barriers=barriers, seed=seed)
     program = lower(generate_graph(min_nodes(**options) + extra, **options))
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(bucket_trials, "_SharedBaseSweep", Both)
         PassManager(f"default,bucket{{min-saved-ms={min_saved}}}").run(program)
-    assert answers
+    assert answers or quick
     assert all(got == want for got, want in answers), next((g, w) for g, w in answers if g != w)
+    far = [(g, w) for g, w in quick if abs(g[0] - w[0]) > bucket_trials.NEAR_MS / 10 or g[1] < w[2]]
+    assert not far, far[:3]
+
+
+def test_a_quick_step_near_what_decides_is_settled_by_the_exact_one():
+    """`settle`: a quick step within NEAR_MS of the step a trial must beat, or an in-flight bound
+    over the cap, is replaced by the exact figures (and the bucket before it too), so a bucket
+    that changes nothing is not taken for a rounding of -1e-12 ms."""
+    from fxsched.passes.bucket_trials import Trial, settle
+
+    def trial(step, inflight, exact):
+        return Trial(None, {}, frozenset(), {}, (), step, 0, inflight, exact)
+
+    nothing = trial(-1e-12, 10, lambda: (0.0, 10))
+    settled, best = settle(nothing, None, 100, 0.0)
+    assert (settled.step_ms, best) == (0.0, None)
+    assert Bucket().refusal(settled, None, 1e9, 100) == "saves too little"
+    assert Bucket().refusal(nothing, None, 1e9, 100) is None  # what the quick figure alone would do
+    before = trial(-0.5, 10, lambda: (-0.5 + 2e-9, 10))
+    settled, best = settle(trial(-0.5 + 1e-9, 10, lambda: (-0.5 + 2e-9, 10)), before, 100, 0.0)
+    assert settled.step_ms == best.step_ms == -0.5 + 2e-9 and settled.exact is None and best.exact is None
+    far = trial(-0.4, 10, lambda: pytest.fail("a step far from the decision needs no exact run"))
+    assert settle(far, before, 100, 0.0) == (far, before)
+    over = trial(-0.4, 200, lambda: (-0.4, 50))
+    assert settle(over, before, 100, 0.0)[0].inflight_bytes == 50
