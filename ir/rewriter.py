@@ -171,7 +171,11 @@ class Rewriter:
         for user in users:
             if pos(new) >= pos(user):
                 raise RewriteError(f"replace_uses(%{old}, %{new}): %{new} is not scheduled before its new user %{user}")
-        saved = {user: (program.op(user), dict(graph.pred[user])) for user in users}
+        # what a refused replace puts back: each user's op and its edges from old and new (not a
+        # copy of all its predecessors: the output reads every gradient, and is replaced once per
+        # reduce-scatter bucket member)
+        pred = graph._pred
+        saved = {user: (program.op(user), pred[user][old], pred[user].get(new)) for user in users}
         # the users (and what reads through them) move from old's storage to new's
         self._writer_cache.pop(storage_root(program, old), None)
         self._writer_cache.pop(storage_root(program, new), None)
@@ -187,12 +191,12 @@ class Rewriter:
         try:
             edges = self._storage_order(users + waits, new)
         except RewriteError:  # leave the program as it was
-            for user, (op, preds) in saved.items():
+            for user, (op, from_old, from_new) in saved.items():
                 graph.nodes[user]["op"] = op
-                for p in list(graph.pred[user]):
-                    graph.remove_edge(p, user)
-                for p, e in preds.items():
-                    graph.add_edge(p, user, **e)
+                graph.remove_edge(new, user)
+                if from_new is not None:
+                    graph.add_edge(new, user, **from_new)
+                graph.add_edge(old, user, **from_old)
             raise
         for before, after, why in edges:
             program.add_effect(before, after, why)
@@ -274,7 +278,13 @@ def _writes(program: Program, name: str, root: str) -> bool:
 def _with_operands(op: Op, old: str, new: str) -> Op:
     """`op` reading `new` for `old`: its operands, and any field naming an operand's storage
     (the storage effects' `writes` and `alias`, where the op kind has them)."""
-    changes: dict[str, object] = {"operands": tuple(new if o == old else o for o in op.operands)}
+    operands = op.operands
+    if operands.count(old) == 1:  # (in C: an op may read thousands, as the output does)
+        at = operands.index(old)
+        operands = (*operands[:at], new, *operands[at + 1:])
+    else:
+        operands = tuple(new if o == old else o for o in operands)
+    changes: dict[str, object] = {"operands": operands}
     if old in getattr(op, "writes", ()):
         changes["writes"] = tuple(new if o == old else o for o in op.writes)
     if getattr(op, "alias", None) == old:
