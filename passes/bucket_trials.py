@@ -15,12 +15,18 @@ of every member; the bucket taken is planned whole once and merged once. This ch
 merging on a copy and simulating the whole program per trial chose (tests/test_pass_bucket.py
 checks it). The trials of one bucket share one run of the program as it is (`_SharedBaseSweep`:
 the base is stepped once per bucket, not once per trial) and step only the ops that can move a
-clock. What is left is the stretch: a bucket of K members steps its trial K times over a
-stretch that reaches its last member's wait, and where gathers are launched long before their
-waits (the generated graphs launch a forward's gathers back to back), that stretch is long: the
-trial program is not the base shifted anywhere before it (the base waits exposed on each
-gather, the trial's compute runs ahead of its stream), so no state of one can be reused for the
-other.
+clock. A trial runs only to the last op it touches (`_SharedBaseSweep.quick`): from there the
+program is the base's, and the clock's rules are max-plus linear, so the step is read off
+tails that one backward pass per run computes (what the compute time, each stream and each
+pending collective add to the step from each slot on); where that figure is within NEAR_MS of
+what decides, the exact run (on until trial and base run the same) decides (`settle`). What is
+left is the stretch itself: a bucket of K members steps its trial K times from its first
+launch to its last member's wait, and where gathers are launched long before their waits (the
+generated graphs launch a forward's gathers back to back), that stretch grows with the graph:
+the trial is not the base shifted anywhere in it (the base waits exposed on each gather, the
+trial's compute runs ahead of its stream). Carrying the trial through it as the base plus a few
+shifts (of its compute, of its stream) in max-plus form would make a trial cost its own ops;
+that is not done.
 """
 
 from __future__ import annotations
