@@ -40,7 +40,7 @@ original program's rules (ILLEGAL with the broken rules counted, as in bench_sch
 Costs: H100 roofline. Columns: step, exposed communication, step / lower bound, peak memory.
 
 Then the peer-cap table (`cap_table`, bench/peer_cap.py): fxsched under a hard cap at each peer's
-simulated peak, four pipelines, the best within it; bench/out/clients_cap.{md,json}.
+simulated peak, the pipelines of `peer_cap.CAP_PIPELINES`, the best within it; bench/out/clients_cap.{md,json}.
 """
 
 from __future__ import annotations
