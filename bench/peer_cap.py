@@ -29,9 +29,10 @@ from fxsched.cost import format_bytes, op_costs, simulate
 from fxsched.ir import Program, VerifyError, verify
 
 GIB = 1 << 30
-# gradients-first reorders compute (passes/gradients_first.py): not in `default`, it raises the peak
+# gradients-first and fill-waits reorder compute (passes/gradients_first.py, fill_waits.py): not
+# in `default` (gradients-first raises the peak)
 CAP_PIPELINES = ("default", "default,bucket", "default,unshard", "default,bucket,unshard",
-                 "gradients-first,default", "gradients-first,default,bucket,unshard")
+                 "gradients-first,default,fill-waits", "gradients-first,default,bucket,unshard,fill-waits")
 #: the peers a capped row is made for, in table order
 CAP_PEERS = ("inductor", "inductor-bucketing", "torchtitan-autobucketing", "torchtitan")
 #: the joint-bucketing peer whose exposed communication the issue's second goal compares with
