@@ -5,8 +5,12 @@ admitted in order; one that would push the in-flight total over `max-in-flight-g
 whose size is unknown, gets a `hold`. Under a peak-memory cap, one whose early launch would go
 over the cap is anchored instead at the earliest slot after its anchor where it fits (a partial
 prefetch: where it was, it often launches behind collectives moved up since, and waits on them);
-a `hold` only where no slot before it fits. The in-flight curve lives in a max segment tree over
-gap/node slots of the starting order, so each check is O(log N).
+a `hold` only where no slot before it fits. After `hide` (the cost-guided pipelines; the reference,
+anchored by `anchor`, keeps HyperParallel's hold), likewise one over the budget at its anchor goes
+to the earliest slot after it where it fits the budget (`later for budget`): held where it was, it
+launched behind the gathers admitted after it, needed later, and waited on all of them (a
+generated graph of 10k nodes: 0.37 ms exposed on one gather, 4.5 ms at 30k). The in-flight curve
+lives in a max segment tree over gap/node slots of the starting order, so each check is O(log N).
 """
 
 from __future__ import annotations
@@ -23,7 +27,9 @@ from .base import ModulePass, PassContext, PassResult, check_budget, option, reg
 from .gathers import Gather, GatherAnalysis
 from .memory_cap import MemoryAnalysis, headroom
 from .maxtree import MaxTree  # order-gathers and overlap-reduce-scatter import it from here too
-from .placement import LATER_FOR_CAP, NO_EARLIER_SLOT, LaterForCap, plan
+
+LATER_FOR_BUDGET = "later for budget"  # statistic: anchored over the budget, moved to the earliest slot after that fits
+from .placement import LATER_FOR_CAP, NOT_ANCHORS, NO_EARLIER_SLOT, LaterForCap, plan
 
 
 
@@ -87,6 +93,54 @@ class _InFlight:
             self.gap[name] = lo
         return None
 
+    def fits(self, g: Gather, target: str) -> bool:
+        """Whether `admit(g, target)` would fit the budget (a probe: counts nothing; a gather an
+        earlier run moved counts where it is too, so a probe may refuse what admit takes)."""
+        nbytes = self.program.op(g.launch).nbytes
+        return nbytes is not None and self.tree.max(*self.span(g, target)) + nbytes <= self.limit
+
+
+class LaterForBudget:
+    """`plan`'s `later` for a chain over the budget at its anchor: the earliest slot after it on
+    `schedule` where it fits the budget (and the peak cap, `room`, when one is in force), by a
+    binary search (a later slot keeps it in flight over a sub-span); over the peak cap, as
+    `LaterForCap`. `took(g, target)`: whether a chain placed at `target` went there so."""
+
+    def __init__(self, flight: _InFlight, schedule: Schedule, cap: LaterForCap | None):
+        self.flight, self.schedule, self.cap = flight, schedule, cap
+        self.offered: dict[str, str] = {}
+
+    def __call__(self, g: Gather, reason: str, lo: int, hi: int) -> int | None:
+        if reason != OVER_BUDGET:
+            return self.cap(g, reason, lo, hi) if self.cap is not None else None
+        schedule, room = self.schedule, self.cap.room if self.cap is not None else None
+
+        def fits(at: int) -> bool:
+            target = schedule[at]
+            return self.flight.fits(g, target) and (room is None or room.fits_earlier(g.chain, target))
+
+        if hi - lo < 2 or not fits(hi - 1):
+            return None
+        lo, hi = lo + 1, hi - 1
+        last = hi
+        while lo < hi:  # fits at hi; not known at lo
+            mid = (lo + hi) // 2
+            if fits(mid):
+                hi = mid
+            else:
+                lo = mid + 1
+        # it becomes the gather's anchor: not an op a rewrite may erase or a pass move (as earliest_fit)
+        while hi <= last and isinstance(self.flight.program.op(schedule[hi]), NOT_ANCHORS):
+            hi += 1
+        if hi > last:
+            return None
+        self.offered[g.launch] = schedule[hi]
+        return hi
+
+    def took(self, g: Gather, target: str | None) -> bool:
+        return target is not None and (self.offered.get(g.launch) == target
+                                       or (self.cap is not None and self.cap.took(g, target)))
+
 
 @register_pass
 @dataclasses.dataclass(frozen=True)
@@ -126,9 +180,13 @@ class Budget(ModulePass):
                 move.take()
             return reason
 
-        # over the peak cap at its anchor: the earliest slot after it that fits (a partial
-        # prefetch), not where it was, which is often behind the collectives moved up since
-        later = LaterForCap(room, order) if room is not None else None
+        # over the peak cap or the budget at its anchor: the earliest slot after it that fits (a
+        # partial prefetch), not where it was, which is often behind the collectives moved up since
+        cap_later = LaterForCap(room, order) if room is not None else None
+        later = cap_later
+        if limit > 0 and ctx.planned is not None:  # after hide
+            later = LaterForBudget(flight, order, cap_later)
+            stats[LATER_FOR_BUDGET] = 0
 
         changed = False
         admitted = []
@@ -140,7 +198,8 @@ class Budget(ModulePass):
             else:
                 admitted.append(g)
                 if later is not None and later.took(g, target):  # prefetch moves it there
-                    stats[LATER_FOR_CAP] += 1
+                    for_cap = cap_later is not None and cap_later.took(g, target)
+                    stats[LATER_FOR_CAP if for_cap else LATER_FOR_BUDGET] += 1
                     program.replace(attrs.evolve(program.op(g.launch), anchor=target))
                     changed = True
         # prefetch, run next on this program, would make these very moves: hand it the plan

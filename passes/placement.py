@@ -10,13 +10,16 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 
-from ..ir import Cast, CopyOut, Launch, Program, Schedule, View, Wait
+from ..ir import Cast, CopyOut, Free, Launch, Program, Schedule, View, Wait
 from ..ir.holds import NO_EARLIER_SLOT  # noqa: F401  (budget and prefetch import it from here)
 from .gathers import Gather, GatherAnalysis
 from .memory_cap import OVER_PEAK_CAP, Headroom
 
 LATER_FOR_CAP = "later for peak cap"  # statistic: anchored over the cap, moved to the earliest slot after that fits
 _COMMUNICATION = (Launch, Wait, View, Cast, CopyOut)  # the ops of launch chains and realizations
+#: what a slot found for a chain may not be anchored at: communication, which a rewrite may erase
+#: (bucket merges launches) or a pass move, and frees (unshard erases a parameter's forward free)
+NOT_ANCHORS = (*_COMMUNICATION, Free)
 #: (gather, why admit refused, its position, the chain's first position) -> a later position to try
 Later = Callable[[Gather, str, int, int], int | None]
 
@@ -88,8 +91,8 @@ def earliest_fit(room: Headroom, schedule: Schedule, g: Gather, lo: int, hi: int
             hi = mid
         else:
             lo = mid + 1
-    # it becomes the gather's anchor: not an op of communication, which a rewrite may erase
-    # (bucket merges launches) or a pass move; the first other op from there (later fits too)
-    while hi <= last and isinstance(room.program.op(schedule[hi]), _COMMUNICATION):
+    # it becomes the gather's anchor: not an op a rewrite may erase or a pass move (NOT_ANCHORS);
+    # the first other op from there (later fits too)
+    while hi <= last and isinstance(room.program.op(schedule[hi]), NOT_ANCHORS):
         hi += 1
     return hi if hi <= last else None
