@@ -26,14 +26,13 @@ a second, flat bound on the same bytes (1 GiB by default; a larger one leaves on
 from __future__ import annotations
 
 import dataclasses
-from operator import itemgetter
 
 from ..cost.model import CostAnalysis
 from ..ir import Cast, Compute, Launch, Program, Role, View, waits_of
 from .base import ModulePass, PassContext, PassResult, check_budget, option, register_pass
 from .gathers import GatherAnalysis
 from .memory_cap import OVER_PEAK_CAP, Headroom, headroom
-from .reduce_scatter_waits import plan_waits
+from .reduce_scatter_waits import launches_and_waits, plan_waits
 from .sink import sink_in_order
 
 
@@ -53,19 +52,25 @@ class OverlapReduceScatter(ModulePass):
 
     def apply(self, ctx: PassContext, program: Program) -> PassResult:
         schedule = program.schedule
-        names = schedule.names()
-        ops = map(itemgetter("op"), map(program.node_data.__getitem__, names))  # in C: no call per name
-        launches = [n for n, op in zip(names, ops) if isinstance(op, Launch) and op.role is Role.REDUCE_SCATTER]
+        # the launches and waits (what the walk below steps by a rule of its own), picked out in
+        # C: a Python step per op of the order was a fifth of this pass at 100k nodes
+        collectives = launches_and_waits(program, schedule.names())
+        launches = [n for n, op in collectives.items() if isinstance(op, Launch) and op.role is Role.REDUCE_SCATTER]
         # the joint peak-memory cap: a hoisted launch holds its result earlier, a sunk cast keeps
         # what it reads alive longer, a held wait its collective's input and result
         room = headroom(ctx, program)
-        hoisted = sum(_hoist(program, name, room) for name in launches) if self.hoist else 0
+        # what travels with each launch and trails each wait is read off the graph's edges,
+        # which moves leave as they are: each is found once, for the moves and for the walk
+        feeders = {name: program.private_feeders(name, (View,)) for name in launches}
+        hoisted = sum(_hoist(program, name, room, feeders[name]) for name in launches) if self.hoist else 0
         # views of each result (a bucket's per-parameter slices) and casts of it (to the
         # gradient's dtype) go down to their uses first, so that the wait can follow them
         tail_sunk = 0  # moves too, even where no wait follows them
+        tails: dict[str, set[str]] = {}  # wait -> what trails it
         for name in launches:
             for wait in sorted(waits_of(program, name), key=schedule.index):
-                tail_sunk += sink_in_order(program, sorted(_tail_of(program, wait), key=schedule.index), room)
+                tail = tails[wait] = _tail_of(program, wait)
+                tail_sunk += sink_in_order(program, sorted(tail, key=schedule.index), room)
         # what the other passes put right before or after its anchor or use (a gather's chain and
         # realization, a reduce-scatter's launch with its views, a reduced gradient's views and
         # casts): a wait never goes back in beside one, so that a second run finds each where it
@@ -74,10 +79,11 @@ class OverlapReduceScatter(ModulePass):
         travelling = {n for g in gathers.gathers for n in (*g.chain, *g.realization)}
         travelling.update(w for name in gathers.unconsumed for w in waits_of(program, name))
         for name in launches:
-            travelling |= program.private_feeders(name, (View,))
-            travelling.update(n for w in waits_of(program, name) for n in _tail_of(program, w))
+            travelling |= feeders[name]
+        for tail in tails.values():
+            travelling |= tail
         plan, stats = plan_waits(program, ctx.get(CostAnalysis, program).ms, launches, travelling,
-                                 int(self.max_in_flight_gb * 2**30))
+                                 int(self.max_in_flight_gb * 2**30), collectives)
         before = schedule.names()
         for wait, target in plan:  # in the order the walk put them back: waits before one target stack so
             if schedule.index(target) == schedule.index(wait) + 1:
@@ -94,12 +100,12 @@ class OverlapReduceScatter(ModulePass):
         return PassResult(hoisted + tail_sunk > 0 or schedule.names() != before, stats)
 
 
-def _hoist(program: Program, launch: str, room: Headroom | None = None) -> bool:
-    """Move `launch` and the views that feed only it to just after their latest other
-    predecessor, if that fits under the peak cap (`room`). Returns whether it moved."""
+def _hoist(program: Program, launch: str, room: Headroom | None, members: set[str]) -> bool:
+    """Move `launch` and the views that feed only it (`members`: `launch` too) to just after
+    their latest other predecessor, if that fits under the peak cap (`room`). Returns whether
+    it moved."""
     schedule = program.schedule
-    pred = program.graph.pred
-    members = program.private_feeders(launch, (View,))
+    pred = program.predecessors  # the raw dict: networkx's view costs more per lookup
     at = max((schedule.index(p) for n in members for p in pred[n] if p not in members), default=-1) + 1
     # a coalesced launch's views of several gradients: those already above `at` stay there
     chain = sorted((n for n in members if schedule.index(n) >= at), key=schedule.index)

@@ -5,13 +5,16 @@ from __future__ import annotations
 
 from collections import Counter
 from heapq import heappop, heappush
+from itertools import compress, count, repeat
 from math import inf
+from operator import itemgetter
 
 from ..cost.simulate import OTHER, WAIT, Clock, step_of
-from ..ir import Program, waits_of
+from ..ir import Launch, Op, Program, Wait, waits_of
 
 
-def plan_waits(program: Program, ms, launches: list[str], travelling: set[str], limit: int) -> tuple[list[tuple[str, str]], dict]:
+def plan_waits(program: Program, ms, launches: list[str], travelling: set[str], limit: int,
+               collectives: dict[str, Op] | None = None) -> tuple[list[tuple[str, str]], dict]:
     """Where each reduce-scatter wait goes: one walk down the order with the simulator's clock.
 
     The walk takes each such wait out where it reaches it and puts it back in before an op that
@@ -23,10 +26,11 @@ def plan_waits(program: Program, ms, launches: list[str], travelling: set[str], 
     bytes they free. Waits going back in before one op keep the order they were taken out in. A
     wait so goes only as far as hides its collective, and the walk sees its own result the same
     (a second run moves nothing). Returns [(wait, the op it goes before)] in the order they go
-    back in, and counts."""
-    names = program.schedule.names()
+    back in, and counts. `collectives`: the program's launches and waits by name, as
+    `launches_and_waits` finds them (the pass has them already)."""
+    schedule = program.schedule
+    names = schedule.names()
     n = len(names)
-    pos = {name: i for i, name in enumerate(names)}
     node, succ = program.node_data, program.successors
     launch_of, nbytes, due, left = {}, {}, {}, {}
     for launch in launches:
@@ -37,15 +41,16 @@ def plan_waits(program: Program, ms, launches: list[str], travelling: set[str], 
         left[launch] = len(waits)   # its waits not yet back in: in flight until the last
         for wait in waits:
             launch_of[wait] = launch
-            due[wait] = min((pos[s] for s in succ[wait]), default=n)  # it stays before that
-    # which ops stay put, and the bytes launched from each op up to the next that stays put
-    stays, travels = [False] * n, True
-    for i, name in enumerate(names):
-        if name not in launch_of:
-            stays[i], travels = not (travels or name in travelling), name in travelling
-    rise = [0] * (n + 1)
-    for i in range(n - 1, -1, -1):
-        rise[i] = nbytes.get(names[i], 0) + (0 if i + 1 == n or stays[i + 1] else rise[i + 1])
+            due[wait] = min((schedule.index(s) for s in succ[wait]), default=n)  # it stays before that
+    runs = _Runs(names, launch_of, travelling, nbytes)
+    stays, rise = runs.stays, runs.rise
+    # what the walk reads of each op, picked out in C (a lookup and a call per op were most of
+    # this walk at 100k nodes): its cost, and whether it steps the clock by a rule of its own (a
+    # launch or a wait); any other op only adds its cost to the compute stream's time
+    if collectives is None:
+        collectives = launches_and_waits(program, names)
+    costs = list(map(ms.get, names, repeat(0.0)))
+    timed = map(collectives.__contains__, names)
 
     clock, level = Clock(), 0   # level: bytes of the reduce-scatters launched, a wait of which is out
     taken: dict[str, int] = {}  # wait -> its place in the order taken out
@@ -55,25 +60,27 @@ def plan_waits(program: Program, ms, launches: list[str], travelling: set[str], 
     dues: list[tuple[int, int, str]] = []     # held: (its earliest successor, taken, wait), a heap
     overlapped, over = set(), set()           # launches: a wait went past an op; put back for the budget
     plan = []
-    for i, name in enumerate(names):
-        if name in launch_of:
+    t = 0.0  # the clock's time, kept here between the steps that need the clock itself
+    for i, name, cost, rule in zip(count(), names, costs, timed):
+        if rule and name in launch_of:
             taken[name], stepped[name] = len(taken), i - len(taken)
             fresh.append(name)
             continue
-        t = clock.t if stays[i] else -inf   # past its end: only before an op that stays
-        if fresh or held and ((ends and ends[0][0] <= t) or (dues and dues[0][0] <= i) or level + rise[i] > limit):
+        now = t if (fresh or held) and stays(i) else -inf   # past its end: only before an op that stays
+        if fresh or held and ((ends and ends[0][0] <= now) or (dues and dues[0][0] <= i) or level + rise(i) > limit):
+            clock.t = t
             back = set()
-            while ends and ends[0][0] <= t:
+            while ends and ends[0][0] <= now:
                 back.add(heappop(ends)[2])
             while dues and dues[0][0] <= i:
                 back.add(heappop(dues)[2])
             back &= held   # each heap holds every held wait, and some that went back already
-            back.update(w for w in fresh if clock.ends[launch_of[w]] <= t or due[w] <= i)
+            back.update(w for w in fresh if clock.ends[launch_of[w]] <= now or due[w] <= i)
             # held past this op, they must fit the budget up to the next op that stays put
             gone = Counter(map(launch_of.get, back))
-            peak = level + rise[i] - sum(nbytes[la] for la, k in gone.items() if k == left[la])
+            peak = level + rise(i) - sum(nbytes[la] for la, k in gone.items() if k == left[la])
             if peak > limit:
-                rest = [w for w in (*held, *fresh) if w not in back] if stays[i] else [w for w in fresh if w not in back]
+                rest = [w for w in (*held, *fresh) if w not in back] if stays(i) else [w for w in fresh if w not in back]
                 for wait in sorted(rest, key=lambda w: (clock.ends[launch_of[w]], taken[w])):
                     if peak <= limit:
                         break
@@ -96,10 +103,57 @@ def plan_waits(program: Program, ms, launches: list[str], travelling: set[str], 
                 clock.step(wait, (WAIT, ms.get(wait, 0.0), None, launch))
                 left[launch] -= 1
                 level -= 0 if left[launch] else nbytes[launch]
-        level += nbytes.get(name, 0)
-        s = step_of(node[name]["op"], ms.get(name, 0.0))
-        if s[0] != OTHER or s[1]:  # an op that is not a collective and costs nothing steps no clock
-            clock.step(name, s)
+            t = clock.t
+        if rule:
+            level += nbytes.get(name, 0)
+            s = step_of(collectives[name], cost)
+            if s[0] != OTHER or s[1]:  # a collective, or an op that costs something
+                clock.t = t
+                clock.step(name, s)
+                t = clock.t
+        elif cost:  # as Clock.step steps any other op
+            t += cost
     overlapped -= over
     return plan, {"overlapped": len(overlapped), "over budget": len(over),
                   "in place": len(launches) - len(overlapped) - len(over)}
+
+
+
+def launches_and_waits(program: Program, names: list[str]) -> dict[str, Op]:
+    """The launches and waits among `names`, by name (in that order), picked out in C."""
+    ops = list(map(itemgetter("op"), map(program.node_data.__getitem__, names)))
+    return {names[i]: ops[i] for i in compress(range(len(ops)), map(isinstance, ops, repeat((Launch, Wait))))}
+
+
+class _Runs:
+    """Which ops stay put — neither travelling nor right after one that travels (the first op
+    counts as after one; the waits the walk takes out are no ops here) — and the bytes launched
+    from each op up to the next that stays put. Worked out only where the walk asks, which is
+    only while a wait is out: two walks over the whole order were a quarter of `plan_waits` at
+    100k nodes. Each `rise` fills in the run it walked, so the walk's questions cost O(N) in all."""
+
+    def __init__(self, names: list[str], launch_of: dict[str, str], travelling: set[str], nbytes: dict[str, int]):
+        self.names, self.launch_of, self.travelling, self.nbytes = names, launch_of, travelling, nbytes
+        self.rises: dict[int, int] = {}
+
+    def stays(self, i: int) -> bool:
+        names, taken = self.names, self.launch_of
+        if names[i] in taken or names[i] in self.travelling:
+            return False
+        before = i - 1
+        while before >= 0 and names[before] in taken:
+            before -= 1
+        return before >= 0 and names[before] not in self.travelling
+
+    def rise(self, i: int) -> int:
+        rises, n = self.rises, len(self.names)
+        if i in rises:
+            return rises[i]
+        end = i + 1  # the next op that stays put, or one whose rise is known
+        while end < n and end not in rises and not self.stays(end):
+            end += 1
+        total = rises[end] if end < n and end in rises and not self.stays(end) else 0
+        for j in range(end - 1, i - 1, -1):
+            total += self.nbytes.get(self.names[j], 0)
+            rises[j] = total
+        return total
