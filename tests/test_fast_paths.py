@@ -1,7 +1,11 @@
-"""The shortcut lowering takes for speed builds exactly what the plain way builds: `Op.make`
-the op `__init__` makes, for every kind, and a subclass's `make` the subclass."""
+"""Shortcuts taken for speed compute exactly what the plain way computes: `Op.make` builds the
+op `__init__` makes, for every kind, and a subclass's `make` the subclass; overlap-reduce-scatter's
+walk (`plan_waits`) works out which ops stay put and the bytes rising to them only where it asks,
+and gets what one walk over the whole order gets."""
 
 from __future__ import annotations
+
+import random
 
 import attrs
 import pytest
@@ -46,3 +50,35 @@ def test_make_of_a_subclass_builds_the_subclass():
 
     op = Tagged.make(name="x", target="aten.mm.default")
     assert type(op) is Tagged and op.tag == "t" and op.target == "aten.mm.default"
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_plan_waits_runs_are_the_whole_order_walk(seed):
+    from fxsched.front.generate import generate_graph
+    from fxsched.ir import Launch, waits_of
+    from fxsched.lowering import lower
+    from fxsched.passes.reduce_scatter_waits import _Runs, launches_and_waits
+
+    program = lower(generate_graph(2000, seed=seed))
+    names = program.schedule.names()
+    launches = [n for n, op in launches_and_waits(program, names).items()
+                if isinstance(op, Launch) and op.role is Role.REDUCE_SCATTER]
+    launch_of = {w: launch for launch in launches for w in waits_of(program, launch)}
+    rnd = random.Random(seed)
+    travelling = set(rnd.sample(names, len(names) // 3))
+    nbytes = {launch: rnd.randrange(1, 2**20) for launch in launches}
+    assert launch_of and nbytes
+    # the walk plan_waits made before: every position, first to last, then last to first
+    stays, travels = [False] * len(names), True
+    for i, name in enumerate(names):
+        if name not in launch_of:
+            stays[i], travels = not (travels or name in travelling), name in travelling
+    rise = [0] * (len(names) + 1)
+    for i in range(len(names) - 1, -1, -1):
+        rise[i] = nbytes.get(names[i], 0) + (0 if i + 1 == len(names) or stays[i + 1] else rise[i + 1])
+    assert any(stays) and not all(stays) and any(rise)
+    runs = _Runs(names, launch_of, travelling, nbytes)
+    asked = list(range(len(names)))
+    rnd.shuffle(asked)  # in any order: what one question fills in is right for the next
+    assert [runs.rise(i) for i in asked] == [rise[i] for i in asked]
+    assert [runs.stays(i) for i in range(len(names))] == stays
