@@ -47,7 +47,7 @@ DEFAULT_GROUP_SIZE = 8
 # ---- what an op does -------------------------------------------------------------------
 
 def _types(program: Program, name: str):
-    return program.graph.nodes[name]["op"].types
+    return program.op(name).types  # the raw node dict: networkx's view costs more than the lookup
 
 
 def _first_tensor(types):
@@ -119,11 +119,19 @@ def flops(op: Op, program: Program) -> int | None:
     target = getattr(op, "target", "")
     if not target or isinstance(op, Launch) or is_zero_cost(op):
         return None
-    if is_attention(target):
-        return attention_flops(op, program)
-    if op_name(target) in MATMULS:
-        return matmul_flops(op, program)
+    heavy = _HEAVY.get(target)
+    if heavy is None:  # what the target is, read off its name once (a graph has few targets)
+        heavy = _HEAVY[target] = attention_flops if is_attention(target) else (
+            matmul_flops if op_name(target) in MATMULS else _no_flops)
+    return heavy(op, program)
+
+
+def _no_flops(op: Op, program: Program) -> None:
     return None
+
+
+#: target -> how `flops` counts an op of it (attention_flops, matmul_flops or _no_flops)
+_HEAVY: dict[str, Callable[[Op, Program], int | None]] = {}
 
 
 def bytes_moved(op: Op, program: Program) -> int:

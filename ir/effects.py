@@ -119,13 +119,13 @@ def place_markers(program: Program) -> None:
     _place_markers(program)
 
 
-def _place_markers(program: Program) -> tuple[list[str], list[Op]]:
+def _place_markers(program: Program, ops: list[Op] | None = None) -> tuple[list[str], list[Op]]:
     """`place_markers`, returning the new schedule's names and their ops, position by position:
     the rules below walk the two lists side by side (a lookup per name in the graph's dicts cost
-    as much as a rule at 100k nodes)."""
+    as much as a rule at 100k nodes). `ops`: the schedule's ops, when the caller has them."""
     order = program.schedule.names()
     node = program.graph._node
-    ops = list(map(itemgetter("op"), map(node.__getitem__, order)))
+    ops = list(map(itemgetter("op"), map(node.__getitem__, order))) if ops is None else list(ops)
     reordered, added = False, []
     if ENTRY not in node:
         kinds = list(map(type, ops))
@@ -176,9 +176,10 @@ def _phased(op: Op) -> bool:
     return not isinstance(op, _UNPHASED)
 
 
-def derive_effects(program: Program) -> None:
-    """Add the effect edges of every rule, reading the current schedule as the original order."""
-    order, ops = _place_markers(program)
+def derive_effects(program: Program, ops: list[Op] | None = None) -> None:
+    """Add the effect edges of every rule, reading the current schedule as the original order.
+    `ops`: the program's ops in that order, when the caller has them (lowering just made them)."""
+    order, ops = _place_markers(program, ops)
     _storage_edges(program, order, ops)
 
     last_free: dict[str, str] = {}

@@ -650,7 +650,8 @@ def _lower(gm: fx.GraphModule) -> Program:
     lowering = _Lowering(gm)
     program = Program(origin=gm)
     nodes = list(gm.graph.nodes)
-    program.add_all([lowering.lower(node) for node in nodes])
+    ops = [lowering.lower(node) for node in nodes]
+    program.add_all(ops)
     order = list(map(_NAME, nodes))
     program.payload.update(zip(order, nodes))
     if lowering.late_forward:
@@ -659,7 +660,7 @@ def _lower(gm: fx.GraphModule) -> Program:
     program.notes[:0] = lowering.notes
     program.schedule = Schedule(order)
     try:
-        derive_effects(program)
+        derive_effects(program, ops)  # the ops in the schedule's order: no lookup per name to find them again
     except EffectError as exc:
         raise LoweringError(str(exc)) from exc
     return program
