@@ -14,7 +14,8 @@ go on the graphs real clients hand over:
 Each is run unscheduled and then scheduled with `default,bucket,unshard` and `default`, capped
 at the input's simulated peak (`memory-cap{max-peak-increase-gb=0}`), and with
 `default,bucket,unshard` at the peak of Inductor's reorder-only schedule of the same graph (the
-peer-cap table's cap, bench/peer_cap.py; for torch.compile the larger of the two graphs').
+peer-cap table's cap, bench/peer_cap.py; for torch.compile the larger of the two graphs'), as is
+`gradients-first,default,bucket,unshard,fill-waits`, which reorders compute too (it must move some).
 Every output (the loss and every gradient; the forward graph's saved activations) must be
 bitwise equal to the unscheduled run's on both ranks, each scheduled graph's simulated peak
 (the pipeline's and the raised graph's) within its cap, and the rewriting pipeline must rewrite
@@ -35,10 +36,13 @@ from fxsched.runtime import run_ranks
 
 BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench")
 GIB = 1 << 30
+#: the peer-cap benchmark's pipeline that reorders compute too (gradients-first, fill-waits)
+COMPUTE_REORDERED = "gradients-first,default,bucket,unshard,fill-waits"
 #: (label, pipeline, where the cap is): the runs compared with the unscheduled one
 RUNS = (("rewrites at input peak", "default,bucket,unshard", "input"),
         ("default at input peak", "default", "input"),
-        ("rewrites at inductor peak", "default,bucket,unshard", "inductor"))
+        ("rewrites at inductor peak", "default,bucket,unshard", "inductor"),
+        ("compute reordered at inductor peak", COMPUTE_REORDERED, "inductor"))
 
 
 def _capped(pipeline: str, where: str | None, peer_peak: int | None) -> str:
@@ -228,7 +232,20 @@ def _check(results, what: str, must_rewrite: bool = True):
     assert not all(torch.equal(a, b) for a, b in zip(last(results[0]), last(results[1])))
     if must_rewrite:
         assert bought > 0, f"{what}: no capped run bucketed or unsharded anything: only reordering was compared"
+    assert _compute_moved(results) > 0, f"{what}: gradients-first and fill-waits moved no compute: nothing of theirs compared"
     return bought
+
+
+def _compute_moved(results) -> int:
+    """The compute ops gradients-first and fill-waits moved, over every rank, case and graph."""
+    moved = 0
+    for r in results:
+        for c in r.values():
+            for _, records in c["runs"].values():
+                for rec in records:
+                    moved += sum(stats.get("moved", 0) for name, stats in rec["stats"].items()
+                                 if name.startswith(("gradients-first", "fill-waits")))
+    return moved
 
 
 @pytest.mark.multirank
