@@ -27,10 +27,9 @@ from .base import ModulePass, PassContext, PassResult, check_budget, option, reg
 from .gathers import Gather, GatherAnalysis
 from .memory_cap import MemoryAnalysis, headroom
 from .maxtree import MaxTree  # order-gathers and overlap-reduce-scatter import it from here too
+from .placement import LATER_FOR_CAP, NO_EARLIER_SLOT, LaterForCap, earliest_fit, plan
 
 LATER_FOR_BUDGET = "later for budget"  # statistic: anchored over the budget, moved to the earliest slot after that fits
-from .placement import LATER_FOR_CAP, NOT_ANCHORS, NO_EARLIER_SLOT, LaterForCap, plan
-
 
 
 class _InFlight:
@@ -115,27 +114,13 @@ class LaterForBudget:
             return self.cap(g, reason, lo, hi) if self.cap is not None else None
         schedule, room = self.schedule, self.cap.room if self.cap is not None else None
 
-        def fits(at: int) -> bool:
-            target = schedule[at]
+        def fits(target: str) -> bool:
             return self.flight.fits(g, target) and (room is None or room.fits_earlier(g.chain, target))
 
-        if hi - lo < 2 or not fits(hi - 1):
-            return None
-        lo, hi = lo + 1, hi - 1
-        last = hi
-        while lo < hi:  # fits at hi; not known at lo
-            mid = (lo + hi) // 2
-            if fits(mid):
-                hi = mid
-            else:
-                lo = mid + 1
-        # it becomes the gather's anchor: not an op a rewrite may erase or a pass move (as earliest_fit)
-        while hi <= last and isinstance(self.flight.program.op(schedule[hi]), NOT_ANCHORS):
-            hi += 1
-        if hi > last:
-            return None
-        self.offered[g.launch] = schedule[hi]
-        return hi
+        at = earliest_fit(fits, self.flight.program, schedule, lo, hi)
+        if at is not None:
+            self.offered[g.launch] = schedule[at]
+        return at
 
     def took(self, g: Gather, target: str | None) -> bool:
         return target is not None and (self.offered.get(g.launch) == target

@@ -67,7 +67,10 @@ class LaterForCap:
         self.offered: dict[str, str] = {}  # launch -> the later slot offered
 
     def __call__(self, g: Gather, reason: str, lo: int, hi: int) -> int | None:
-        at = earliest_fit(self.room, self.schedule, g, lo, hi) if reason == OVER_PEAK_CAP else None
+        if reason != OVER_PEAK_CAP:
+            return None
+        room = self.room
+        at = earliest_fit(lambda target: room.fits_earlier(g.chain, target), room.program, self.schedule, lo, hi)
         if at is not None:
             self.offered[g.launch] = self.schedule[at]
         return at
@@ -76,23 +79,24 @@ class LaterForCap:
         return target is not None and self.offered.get(g.launch) == target
 
 
-def earliest_fit(room: Headroom, schedule: Schedule, g: Gather, lo: int, hi: int) -> int | None:
-    """The earliest position in (lo, hi) before which `g`'s chain fits the peak cap as `room`
-    counts it, or None: a chain holds its bytes from its slot on, so a later slot adds less
-    (a binary search; the move itself is checked again when taken)."""
-    if hi - lo < 2 or not room.fits_earlier(g.chain, schedule[hi - 1]):
+def earliest_fit(fits: Callable[[str], bool], program: Program, schedule: Schedule, lo: int, hi: int) -> int | None:
+    """The earliest position in (lo, hi) before which a chain fits, or None: `fits(name)` says
+    whether it fits launched before `name` (under the peak cap as `Headroom` counts it, or the
+    in-flight budget), and a chain holds its bytes from its slot on, so a later slot adds less (a
+    binary search; the move itself is checked again when taken)."""
+    if hi - lo < 2 or not fits(schedule[hi - 1]):
         return None
     lo += 1
     hi -= 1
     last = hi
     while lo < hi:  # fits at hi; not known at lo
         mid = (lo + hi) // 2
-        if room.fits_earlier(g.chain, schedule[mid]):
+        if fits(schedule[mid]):
             hi = mid
         else:
             lo = mid + 1
     # it becomes the gather's anchor: not an op a rewrite may erase or a pass move (NOT_ANCHORS);
     # the first other op from there (later fits too)
-    while hi <= last and isinstance(room.program.op(schedule[hi]), NOT_ANCHORS):
+    while hi <= last and isinstance(program.op(schedule[hi]), NOT_ANCHORS):
         hi += 1
     return hi if hi <= last else None
