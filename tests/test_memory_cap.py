@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 import fxsched
 from fxsched.cost.simulate import memory_profile, simulate
 from fxsched.front import fsdp_joint_graph
-from fxsched.ir import Launch, parse_program
+from fxsched.ir import Launch, parse_program, verify
 from fxsched.ir.errors import ConfigError
 from fxsched.ir.holds import OVER_PEAK_CAP, explain_hold
 from fxsched.lowering import lower
@@ -109,6 +109,31 @@ def test_ir_programs_never_exceed_the_cap(text, pipeline, where):
     program = parse_program(text)
     capped, peak, cap = _cap_between(program, pipeline[0], where)
     _assert_within(program, capped, peak, cap)
+
+
+#: the passes that reorder compute, each where it goes in a pipeline `pipelines()` draws
+COMPUTE_REORDERING = {"gradients-first": "gradients-first,{}", "fill-waits": "{},fill-waits"}
+
+
+@pytest.mark.parametrize("name", COMPUTE_REORDERING)
+@examples(10, graphs=True)
+@given(graph=graph_options(), pipeline=pipelines(), where=st.floats(0.0, 1.0))
+def test_generated_graphs_with_compute_reordered_never_exceed_the_cap(name, graph, pipeline, where):
+    (num_nodes, options), (text, _) = graph, pipeline
+    original = lower(_graph(max(num_nodes, _min(options)), **options))
+    capped, peak, cap = _cap_between(original, COMPUTE_REORDERING[name].format(text), where)
+    note(f"{capped!r}: input peak {peak}, cap {cap}")
+    _assert_within(original.copy(), capped, peak, cap)
+
+
+@pytest.mark.parametrize("name", COMPUTE_REORDERING)
+@examples(20)
+@given(text=ir_programs(), where=st.floats(0.0, 1.0))
+def test_ir_programs_with_compute_reordered_stay_legal_and_within_the_cap(name, text, where):
+    program = parse_program(text)
+    capped, peak, cap = _cap_between(program, name, where)
+    _assert_within(program, capped, peak, cap)
+    verify(program)
 
 
 @pytest.fixture(scope="module")
