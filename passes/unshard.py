@@ -8,8 +8,9 @@ wait) and gathered again in the backward (a launch with role REGATHER of the sam
 group and type). Unsharding it erases the forward free and the backward launch and wait (and
 the re-gather's private cast of the shard, under mixed precision); the re-gather's views and
 its backward free then read the forward wait, so the replica lives from the forward gather
-to the backward free. Both gathers read the same shard, which nothing writes in between, so
-the backward computes bitwise the same.
+to the backward free. Both gathers read the same shard, which nothing writes in between, and
+nothing writes the forward replica in place (`replica written` otherwise), so the backward
+computes bitwise the same.
 
 Candidates go best first — the most exposed communication per byte held, then the most
 communication per byte — and each is taken only if the program's simulated peak memory with
@@ -52,6 +53,8 @@ NO_FORWARD_REPLICA = register_hold("no forward replica", "unshard: no single for
 BUCKETED = register_hold("bucketed", "unshard: it gathers a bucket; only single-parameter re-gathers are unsharded")
 SHARD_WRITTEN = register_hold("shard written", "unshard: the shard is written in place, so the forward replica may "
                                                "differ from what the re-gather would read")
+REPLICA_WRITTEN = register_hold("replica written", "unshard: the forward replica is written in place, so the backward "
+                                                   "would read what the forward left, not the shard gathered again")
 
 
 @attrs.frozen
@@ -275,6 +278,9 @@ def find_candidates(program: Program) -> tuple[list[Candidate], dict[str, str]]:
             continue
         if storage_root(program, source[0], roots) in written:
             held[regather.name] = SHARD_WRITTEN
+            continue
+        if storage_root(program, forward_wait, roots) in written:
+            held[regather.name] = REPLICA_WRITTEN
             continue
         cast = regather.operands[0] if isinstance(node[regather.operands[0]]["op"], Cast) else None
         if cast is not None and [u for u, e in succ[cast].items() if e["kind"] == DATA] != [regather.name]:
