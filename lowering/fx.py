@@ -139,6 +139,14 @@ def _python_view(name: str) -> tuple[bool, bool]:
     return True, any(map(_composite, schemas))
 
 
+#: Higher-order ops that draw from a generator whose state outlives the call (no schema, no tags):
+#: `run_and_save_rng_state` returns the global state, then runs its op on it (activation
+#: checkpointing with functionalized RNG: the backward replays it with `run_with_rng_state`, which
+#: sets a given state and puts the global one back, so it draws from no shared state and is not
+#: listed); `graphsafe_run_with_rng_state` runs its op on a generator passed in, advancing it.
+RNG_DRAWING_HOPS = frozenset({"run_and_save_rng_state", "graphsafe_run_with_rng_state"})
+
+
 def _python_random(name: str) -> bool:
     """A Python call that draws from the RNG (`F.dropout`, `torch.rand_like`, `x.bernoulli_`):
     named like an aten op with an overload tagged nondeterministic_seeded, or a dropout."""
@@ -204,7 +212,8 @@ def _classify(op: str, target) -> _Target:
         packet=call and isinstance(target, torch._ops.OpOverloadPacket),
         cast=schema is not None and schema.name in CAST_OPS,
         random=(torch.Tag.nondeterministic_seeded in target.tags if isinstance(target, torch._ops.OpOverload)
-                else schema is None and (op == "call_method" or (call and module.split(".")[0] == "torch"))
+                else isinstance(target, torch._ops.HigherOrderOperator) and target.name() in RNG_DRAWING_HOPS
+                or schema is None and (op == "call_method" or (call and module.split(".")[0] == "torch"))
                 and _python_random(short)),
         clone=call and target is torch.ops.aten.clone.default,
         heavy=call and is_heavy(name),
