@@ -578,6 +578,7 @@ class _GatherGrowth:
         self.sources: list[str] = []       # the pack's operands
         self.params: tuple = ()
         self.total = self.nbytes = 0
+        self.source_bytes = 0              # what the pack reads: its operands' bytes, as the cost model counts them
         self.end = self.here_slot          # the last slot a trial touches
         self.member_live: list = []        # the members' changes to the live-bytes curve
         self.hoisted_bytes = self.unhoisted_bytes = 0
@@ -598,6 +599,7 @@ class _GatherGrowth:
             dry.check_operand(f"{name}_pack", m.source, first.name)
         self.names.update((m.launch, m.wait))
         self.sources.append(flat)
+        self.source_bytes += (dry.ops.get(flat) or program.op(flat)).nbytes_out
         self.params += program.op(m.launch).params
         offset = self.total
         self.total += m.numel
@@ -647,7 +649,7 @@ class _GatherGrowth:
             self._add(m)
         trials = self.trials
         pack, launch, wait, grid = self.ops
-        costs = {op.name: trials._cost(op, self.dry) for op in self.ops}
+        costs = self._costs()
         steps = {self.first.name: self.cast_steps + self.pack_steps
                  + _timed(pack, trials, self.dry, costs) + _timed(launch, trials, self.dry, costs),
                  self.here: _timed(wait, trials, self.dry, costs) + _timed(grid, trials, self.dry, costs)
@@ -663,6 +665,22 @@ class _GatherGrowth:
         self.applied, self.bucket_live = self.member_live[:], bucket_live
         return Trial(None, costs, frozenset(), steps, (), step_ms, trials.tree.max(0, len(self.slot)), inflight,
                      exact)
+
+    def _costs(self) -> dict[str, float]:
+        """The bucket's own ops' prices, as `Trials._cost` gives them. Under the roofline model a
+        pack (a cat) costs what it reads and writes, and a gather what it gathers: a pack that
+        reads one operand of the same bytes prices the same, so a trial prices them in O(1), not
+        by hashing and summing over its members (most of a trial's pricing at 30k generated)."""
+        trials, ops = self.trials, self.ops
+        pack, launch = ops[0], ops[1]
+        if type(trials.model) is not Roofline or self.source_bytes != pack.nbytes_out:
+            return {op.name: trials._cost(op, self.dry) for op in ops}
+        proxy = attrs.evolve(pack, operands=(pack.name,))  # (reads a tensor of its own type)
+        nodes = trials.scratch.graph._node
+        nodes[pack.name] = {"op": pack}
+        model, scratch = trials.model, trials.scratch
+        return {pack.name: model.op_ms(proxy, scratch), launch.name: model.op_ms(launch, scratch),
+                ops[2].name: trials._cost(ops[2], self.dry), ops[3].name: trials._cost(ops[3], self.dry)}
 
     def _show(self, changes, sign: int) -> None:
         """Add (+1) or take back (-1) `changes` in the tree and in what it is said to show."""

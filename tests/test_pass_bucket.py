@@ -310,7 +310,8 @@ def test_generated_graphs_bucket_as_simulating_each_trial_does(layers, buckets, 
 @pytest.mark.parametrize("case", CASES, ids=[f"{n}-{mp or 'f32'}-{b or 'single'}" for n, mp, b in CASES])
 def test_each_trials_peak_is_the_simulated_peak_of_its_merge(default_programs, case):
     """Every bucket a run could try — growing from each member, a member at a time, and the
-    bucket planned whole — predicts the peak `memory_profile` gives the program merged with it.
+    bucket planned whole — predicts the peak `memory_profile` gives the program merged with it,
+    and a growth prices the bucket's own ops as the whole plan does.
     Each reduce-scatter is waited late here (just before its first successor): its gradient,
     and a bucket's pack, are live until the wait, where nothing else reads them. (`default`
     waits on one only once its collective ends, often before the next launch: a bucket of the two
@@ -347,6 +348,8 @@ def test_each_trials_peak_is_the_simulated_peak_of_its_merge(default_programs, c
                     assert trial.peak_bytes == memory_profile(merged).peak_bytes, [x.launch for x in members]
                     whole = trials.evaluate(members, kind, "tb")
                     assert whole.peak_bytes == trial.peak_bytes
+                    # a growth prices the bucket's own ops as the whole plan does (bitwise)
+                    assert {n: whole.costs[n] for n in trial.costs} == trial.costs
                     checked += 1
                     trials.show(())
                     grow = trials.grow(run[start], kind, "tb")
