@@ -147,6 +147,32 @@ def _python_view(name: str) -> tuple[bool, bool]:
 RNG_DRAWING_HOPS = frozenset({"run_and_save_rng_state", "graphsafe_run_with_rng_state"})
 
 
+def _subgraphs(gm: fx.GraphModule, node: fx.Node) -> list[fx.GraphModule]:
+    """The GraphModules a call is given (through `get_attr` nodes of `gm`)."""
+    found = []
+    for arg in node.all_input_nodes:
+        if arg.op == "get_attr":
+            value = attrgetter(arg.target)(gm)
+            if isinstance(value, fx.GraphModule):
+                found.append(value)
+    return found
+
+
+def _graph_draws(gm: fx.GraphModule, targets: dict) -> bool:
+    """Whether any call in `gm`, or in a subgraph of one, draws from the RNG."""
+    for node in gm.graph.nodes:
+        if node.op == "call_module":
+            if _random_module(gm.get_submodule(node.target)):
+                return True
+        elif node.op in ("call_function", "call_method"):
+            key = (node.op, id(node.target))
+            info = targets.get(key) or targets.setdefault(key, _classify(node.op, node.target))
+            if info.random or (isinstance(node.target, torch._ops.HigherOrderOperator)
+                               and any(_graph_draws(sub, targets) for sub in _subgraphs(gm, node))):
+                return True
+    return False
+
+
 def _python_random(name: str) -> bool:
     """A Python call that draws from the RNG (`F.dropout`, `torch.rand_like`, `x.bernoulli_`):
     named like an aten op with an overload tagged nondeterministic_seeded, or a dropout."""
@@ -308,6 +334,11 @@ class _Lowering:
         except KeyError:
             found = self.targets[key] = _classify(node.op, node.target)
             return found
+
+    def draws_inside(self, node: fx.Node) -> bool:
+        """A higher-order op whose subgraph (`invoke_subgraph`, `cond`, ...: a GraphModule it is
+        given) draws from the RNG, at any depth: it is random as its random ops are."""
+        return any(_graph_draws(sub, self.targets) for sub in _subgraphs(self.gm, node))
 
     def impure(self, node: fx.Node) -> bool:
         """`node.is_impure(impure_random=False)`, once per target: it reads the target (a
@@ -492,7 +523,8 @@ class _Lowering:
         writes, alias, unknown = self.writes(node, info)
         # a random call touches the RNG state only: ordered with the other random ops, no barrier
         # (torch calls Python's torch.rand* impure whatever impure_random says)
-        random = info.random or (kind == "call_module" and _random_module(self.gm.get_submodule(node.target)))
+        random = (info.random or (kind == "call_module" and _random_module(self.gm.get_submodule(node.target)))
+                  or (isinstance(node.target, torch._ops.HigherOrderOperator) and self.draws_inside(node)))
         if (unknown or not writes) and not random and self.impure(node):
             return Barrier.make(name, operands, phase, types, target=target, reason="side effect",
                                 heavy=info.heavy, attention=info.attention)

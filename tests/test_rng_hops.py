@@ -7,6 +7,7 @@ puts the global one back. The first has no schema and no tags, so lowering read 
 compute: `fill-waits` then moved a later `aten.rand_like` ahead of it, and both drew other numbers
 than in the input. Lowering now names it (and `graphsafe_run_with_rng_state`, which advances a
 generator it is given) random; `run_with_rng_state` draws from no shared state and stays free.
+Likewise a higher-order op given a subgraph that draws (`invoke_subgraph` with a dropout inside).
 """
 
 from __future__ import annotations
@@ -44,6 +45,25 @@ def test_lowering_reads_run_and_save_rng_state_as_random_and_run_with_rng_state_
     random = {op.name: op.random for op in program.ops() if isinstance(op, Compute)}
     assert random["run_and_save_rng_state"] and random["rand"] and not random["run_with_rng_state"]
     assert program.graph.has_edge("run_and_save_rng_state", "rand")  # rng-order
+
+
+@pytest.mark.parametrize("draws", [True, False])
+def test_a_higher_order_op_whose_subgraph_draws_is_random(draws):
+    """`invoke_subgraph` (a nested compile region) with a dropout inside draws from the RNG as the
+    dropout does; with none, it is plain compute."""
+    from torch._higher_order_ops.invoke_subgraph import invoke_subgraph
+
+    def body(x):
+        return (torch.nn.functional.dropout(x, 0.5, True) if draws else x.sin(),)
+
+    sub = make_fx(body)(torch.ones(4))
+
+    def f(x):
+        return invoke_subgraph(sub, "sub0", x)[0] + torch.rand_like(x)
+
+    program = lower(make_fx(f)(torch.ones(4)))
+    assert program.op("invoke_subgraph").random is draws
+    assert program.graph.has_edge("invoke_subgraph", "rand_like") is draws  # rng-order
 
 
 def saved_state_then_rand() -> fx.GraphModule:
