@@ -26,6 +26,7 @@ them is O(N + uses).
 
 from __future__ import annotations
 
+from itertools import compress
 from operator import itemgetter
 
 from .errors import InputError
@@ -181,10 +182,12 @@ def derive_effects(program: Program, ops: list[Op] | None = None) -> None:
     `ops`: the program's ops in that order, when the caller has them (lowering just made them)."""
     order, ops = _place_markers(program, ops)
     _storage_edges(program, order, ops)
+    kinds = list(map(type, ops))  # the rules below pick out the ops they read in C, by class
+    present = set(kinds)
 
     last_free: dict[str, str] = {}
     previous_random = None
-    for name, op in zip(order, ops):
+    for name, op in compress(zip(order, ops), _of(kinds, present, (Compute, Free, Launch))):
         if isinstance(op, Compute):
             if op.random:
                 if previous_random is not None:
@@ -198,9 +201,16 @@ def derive_effects(program: Program, ops: list[Op] | None = None) -> None:
                 if param in last_free:
                     program.add_effect(last_free[param], name, "regather")
 
-    _collective_edges(program, order, ops)
+    _collective_edges(program, order, ops, kinds, present)
     _barrier_and_phase_edges(program, order, ops)
-    _boundary_edges(program, order, ops)
+    _boundary_edges(program, order, ops, kinds, present)
+
+
+def _of(kinds: list[type], present: set[type], classes: tuple[type, ...]):
+    """Per op (by its class, in `kinds`), whether it is an instance of `classes`: each class
+    tested once, the ops mapped in C (for `compress`)."""
+    table = {k: issubclass(k, classes) for k in present}
+    return map(table.__getitem__, kinds)
 
 
 def _roots_in_order(program: Program, order: list[str], ops: list[Op]) -> dict[str, tuple[str, str | None]]:
@@ -321,13 +331,14 @@ def _collective_read(program: Program, name: str, op: Op, launch: str, in_flight
             since.append(name)
 
 
-def _collective_edges(program: Program, order: list[str], ops: list[Op]) -> None:
+def _collective_edges(program: Program, order: list[str], ops: list[Op], kinds: list[type],
+                      present: set[type]) -> None:
     """`collective-order`: per process group, non-gather launches and opaque collectives keep
     their order; one with no known group follows the latest of every group, and they follow it."""
     add_effect = program.add_effect
     latest: dict[str, str] = {}  # per group, since the last op of unknown group
     unknown = None  # the last op of unknown group
-    for name, op in zip(order, ops):
+    for name, op in compress(zip(order, ops), _of(kinds, present, (Launch, Opaque))):
         if isinstance(op, Launch):
             if op.is_gather:
                 continue
@@ -443,15 +454,12 @@ def _barrier_and_phase_edges(program: Program, order: list[str], ops: list[Op]) 
                     add_effect(name, BACKWARD, "phase")
 
 
-def _boundary_edges(program: Program, order: list[str], ops: list[Op]) -> None:
+def _boundary_edges(program: Program, order: list[str], ops: list[Op], kinds: list[type],
+                    present: set[type]) -> None:
     graph = program.graph
     add_effect = program.add_effect
-    outputs, inputs = [], []
-    for name, op in zip(order, ops):
-        if isinstance(op, Output):
-            outputs.append(name)
-        elif isinstance(op, Input):
-            inputs.append(name)
+    outputs = list(compress(order, _of(kinds, present, (Output,))))
+    inputs = list(compress(order, _of(kinds, present, (Input,))))
     for before, after in zip(inputs, inputs[1:]):  # the raised function keeps its signature
         add_effect(before, after, "entry")
     if inputs:

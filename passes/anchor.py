@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
+from itertools import compress, repeat
 
 import attrs
 
@@ -42,8 +43,10 @@ class Anchor(ModulePass):
             updates[name] = _set(program.op(name), None, NO_CONSUMER)
         # the heavy ops of both phases, in one walk down the schedule (one per phase was a
         # tenth of the reference pipeline at 100k nodes)
-        heavy = ([op for op in program.ops() if getattr(op, "heavy", False)]
-                 if self.attention and (self.forward_depth or self.backward_depth) else [])
+        heavy = []
+        if self.attention and (self.forward_depth or self.backward_depth):
+            ops = list(program.ops())  # picked out in C: no Python step per op
+            heavy = list(compress(ops, map(getattr, ops, repeat("heavy"), repeat(False))))
         for phase, depth in ((Phase.FORWARD, self.forward_depth), (Phase.BACKWARD, self.backward_depth)):
             gathers = [g for g in analysis.gathers if g.phase is phase]
             anchors = self._anchors(program, gathers, heavy, phase, depth) if depth else {}
