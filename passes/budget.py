@@ -27,9 +27,10 @@ from .base import ModulePass, PassContext, PassResult, check_budget, option, reg
 from .gathers import Gather, GatherAnalysis
 from .memory_cap import MemoryAnalysis, headroom
 from .maxtree import MaxTree  # order-gathers and overlap-reduce-scatter import it from here too
-from .placement import LATER_FOR_CAP, NO_EARLIER_SLOT, LaterForCap, earliest_fit, plan
+from .placement import LATER_FOR_CAP, NO_EARLIER_SLOT, LaterForCap, NeedOrder, earliest_fit, plan
 
 LATER_FOR_BUDGET = "later for budget"  # statistic: anchored over the budget, moved to the earliest slot after that fits
+AFTER_MOVED_LATER = "after one moved later"  # statistic: needed after a chain moved later, launched after it
 
 
 class _InFlight:
@@ -169,13 +170,17 @@ class Budget(ModulePass):
         # partial prefetch), not where it was, which is often behind the collectives moved up since
         cap_later = LaterForCap(room, order) if room is not None else None
         later = cap_later
+        need_order = None
         if limit > 0 and ctx.planned is not None:  # after hide
             later = LaterForBudget(flight, order, cap_later)
             stats[LATER_FOR_BUDGET] = 0
+            # and what is needed after a chain moved later launches after it (placement.NeedOrder)
+            need_order = NeedOrder(program, order)
+            stats[AFTER_MOVED_LATER] = 0
 
         changed = False
         admitted = []
-        for g, target, reason in plan(program, analysis, order, admit, later):
+        for g, target, reason in plan(program, analysis, order, admit, later, need_order):
             stats["admitted" if reason is None else reason] += 1
             if reason is not None:
                 program.replace(attrs.evolve(program.op(g.launch), hold=reason))
@@ -185,6 +190,10 @@ class Budget(ModulePass):
                 if later is not None and later.took(g, target):  # prefetch moves it there
                     for_cap = cap_later is not None and cap_later.took(g, target)
                     stats[LATER_FOR_CAP if for_cap else LATER_FOR_BUDGET] += 1
+                    program.replace(attrs.evolve(program.op(g.launch), anchor=target))
+                    changed = True
+                elif need_order is not None and need_order.took(g, target):  # so prefetch moves it there
+                    stats[AFTER_MOVED_LATER] += 1
                     program.replace(attrs.evolve(program.op(g.launch), anchor=target))
                     changed = True
         # prefetch, run next on this program, would make these very moves: hand it the plan

@@ -17,7 +17,7 @@ from ..ir import Phase, Program
 from .base import ModulePass, PassContext, PassResult, register_pass
 from .gathers import GatherAnalysis
 from .memory_cap import OVER_PEAK_CAP, headroom
-from .placement import LATER_FOR_CAP, NO_EARLIER_SLOT, LaterForCap, plan
+from .placement import LATER_FOR_CAP, NO_EARLIER_SLOT, LaterForCap, NeedOrder, plan
 
 
 @register_pass
@@ -50,12 +50,15 @@ class Prefetch(ModulePass):
             stats[OVER_PEAK_CAP] = 0
             stats[LATER_FOR_CAP] = 0
         planned, ctx.placed = ctx.placed, None
+        need_order = None
         if room is None and planned is not None and planned.valid(program, analysis):
             # budget just planned these very moves on a copy (passes/budget.py, `Planned`): take them
             program.schedule.adopt(planned.order)
             moves = ((g, None, None) for g in planned.admitted)
         else:
-            moves = plan(program, analysis, program.schedule, admit, later)
+            # after hide, what is needed after a chain moved later for the cap launches after it
+            need_order = NeedOrder(program, program.schedule) if later is not None and ctx.planned is not None else None
+            moves = plan(program, analysis, program.schedule, admit, later, need_order)
         for g, target, reason in moves:
             op = program.op(g.launch)
             if reason is not None:  # NO_EARLIER_SLOT, or over the peak cap: it admits everything else unheld
@@ -66,6 +69,8 @@ class Prefetch(ModulePass):
             stats["moved_nodes"] += len(g.chain)
             if later is not None and later.took(g, target):  # its anchor is where it went
                 stats[LATER_FOR_CAP] += 1
+                op = attrs.evolve(op, anchor=target)
+            elif need_order is not None and need_order.took(g, target):
                 op = attrs.evolve(op, anchor=target)
             program.replace(attrs.evolve(op, prefetched=True))
         return PassResult(stats["forward"] + stats["backward"] > 0 or stats[NO_EARLIER_SLOT] > 0

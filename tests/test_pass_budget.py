@@ -142,3 +142,62 @@ def test_no_earlier_legal_slot_is_recorded_by_budget():
     assert holds(program)["a2"] == "no earlier legal slot"
     assert result.stats()["budget"]["no earlier legal slot"] == 1
     assert result.stats()["prefetch"]["no earlier legal slot"] == 0  # already held by budget
+
+
+
+# after hide: a communication-bound forward, so hide anchors every gather at the first slot (c1).
+# a2 (600 B) does not fit the 1000 B budget there beside a1: it goes to the earliest slot that
+# fits, c2, after a1's consumer. a3 (100 B, needed after a2) fits at c1. a0 (3 ms) still runs on
+# the stream when a2 launches
+NEED_ORDER = dedent('''
+    %x = input
+    %w0 = input
+    %w1 = input
+    %w2 = input
+    %w3 = input
+    ^entry
+    %c1 = compute "c"(%x)
+    %a1 = launch "ag"(%w1) {group = "0", role = fsdp_all_gather, nbytes = 600, params = ["w1"]}
+    %t1 = wait(%a1)
+    %m1 = compute "mm"(%c1, %t1)
+    %c2 = compute "c"(%m1)
+    %a0 = launch "ag3"(%w0) {group = "0", role = fsdp_all_gather, nbytes = 10, params = ["w0"]}
+    %t0 = wait(%a0)
+    %m0 = compute "mm"(%c2, %t0)
+    %a2 = launch "ag"(%w2) {group = "0", role = fsdp_all_gather, nbytes = 600, params = ["w2"]}
+    %t2 = wait(%a2)
+    %m2 = compute "mm"(%m0, %t2)
+    %a3 = launch "ag5"(%w3) {group = "0", role = fsdp_all_gather, nbytes = 100, params = ["w3"]}
+    %t3 = wait(%a3)
+    %m3 = compute "mm"(%m2, %t3)
+    %output = output(%m3)
+''')
+NEED_ORDER_COSTS = {"c": 1.0, "mm": 1.0, "ag": 1.0, "ag3": 3.0, "ag5": 5.0}
+
+
+def test_what_is_needed_after_a_gather_moved_later_for_the_budget_launches_after_it():
+    """a3 would fit at its anchor, c1, but launched there it runs on the stream ahead of a2 (the
+    stream runs in launch order) and a2 waits on all of it: it launches after a2, at c2, which
+    becomes its anchor. The gathers launch in the order they are needed, and the step is 1 ms
+    shorter than with a3 ahead of a2 (12 ms, as budget placed them before)."""
+    from fxsched.cost import simulate
+
+    budget = f"budget{{max-in-flight-gb={1000 / 2**30!r}}}"
+    program = parse_program(NEED_ORDER)
+    result = PassManager(f"hide,{budget},prefetch").run(program, PassContext(cost_model=NEED_ORDER_COSTS))
+    stats = result.stats()[budget]
+    assert stats["later for budget"] == 1 and stats["after one moved later"] == 1
+    assert program.op("a2").anchor == "c2" and program.op("a3").anchor == "c2"
+    launches = [op.name for op in program.ops() if getattr(op, "is_gather", False)]
+    assert launches == ["a1", "a0", "a2", "a3"]
+    filecheck(print_program(program), '''
+        CHECK:      %m1 = compute
+        CHECK-NEXT: %a2 = launch {{.*}}anchor = %c2, prefetched}
+        CHECK-NEXT: %a3 = launch {{.*}}anchor = %c2, prefetched}
+        CHECK-NEXT: %c2 = compute
+    ''')
+    ahead = program.copy()
+    ahead.schedule.move_before(["a3"], "a2")
+    verify(ahead)
+    assert simulate(program, NEED_ORDER_COSTS).step_ms == 11.0
+    assert simulate(ahead, NEED_ORDER_COSTS).step_ms == 12.0
