@@ -566,3 +566,40 @@ def test_a_gather_over_the_cap_at_its_anchor_goes_to_the_earliest_slot_that_fits
     program = parse_program(dedent(PEAK_BETWEEN).replace('"aten.mul"(%c2)', '"aten.mul"(%c2, %big)'))
     result, _ = _run(program, f"memory-cap{{max-peak-increase-gb=0.0}},{pipeline}")
     assert program.op("a").hold == OVER_PEAK_CAP and not program.op("a").prefetched
+
+
+# after hide (gathers 10 ms, compute 1 ms: both anchored at the first slot, c0), under a cap 1 KiB
+# over the input's peak (%big, live until %s): %a (2 KiB) does not fit through it, %b (512 B) does
+NEED_ORDER_UNDER_CAP = '''
+    %x = input : f32[16]
+    %wa = input : f32[256]
+    %wb = input : f32[64]
+    ^entry
+    %c0 = compute "c"(%x) : f32[16]
+    %big = compute "c"(%x) : f32[2048]
+    %s = compute "c"(%big) : f32[1]
+    %c1 = compute "c"(%c0) : f32[16]
+    %c2 = compute "c"(%c1) : f32[16]
+    %a = launch "ag"(%wa) {role = fsdp_all_gather, nbytes = 2048, params = ["wa"]} : f32[512]
+    %ta = wait(%a)
+    %ma = compute "c"(%c2, %ta) : f32[16]
+    %b = launch "ag"(%wb) {role = fsdp_all_gather, nbytes = 512, params = ["wb"]} : f32[128]
+    %tb = wait(%b)
+    %mb = compute "c"(%ma, %tb) : f32[16]
+    %output = output(%mb, %s)
+'''
+
+
+@pytest.mark.parametrize("pipeline", ["hide,budget,prefetch", "hide,prefetch"])
+def test_a_gather_needed_after_one_moved_later_for_the_cap_launches_after_it(pipeline):
+    """%a goes to the earliest slot after its anchor that fits the cap (c1, once %s freed %big);
+    %b fits at its anchor, c0, but would run on the stream ahead of %a there: it launches after
+    %a, at c1 (its anchor now), whether budget or prefetch (with no budget before it) places them."""
+    program = parse_program(dedent(NEED_ORDER_UNDER_CAP))
+    peak = memory_profile(program).peak_bytes
+    ctx = PassContext(cost_model={"c": 1.0, "ag": 10.0})
+    PassManager(f"memory-cap{{max-peak-increase-gb={1024 / GIB!r}}},{pipeline}").run(program, ctx)
+    assert program.op("a").anchor == "c1" and program.op("b").anchor == "c1"
+    names = program.schedule.names()
+    assert names[names.index("a"):names.index("c1") + 1] == ["a", "b", "c1"]
+    assert memory_profile(program).peak_bytes <= peak + 1024
