@@ -38,6 +38,8 @@ PIPELINES = [
     DEFAULT_PIPELINE,
     "anchor{forward-depth=3,backward-depth=2},budget{max-in-flight-gb=3.814697265625e-06},prefetch,sink",
     "anchor{forward-depth=2,backward-depth=0,attention=false},prefetch,sink",
+    "rewrite",  # the rewrites (unshard, bucket) name and place the ops they create
+    "memory-cap,gradients-first,default,unshard,bucket,fill-waits",  # compute moves, checked against a cap
 ]
 
 # Runs in a fresh interpreter; prints one JSON object: everything a schedule decides.
@@ -100,6 +102,9 @@ def test_same_schedule_under_different_hash_seeds():
     assert any(r["moved"] for r in first[PIPELINES[0]]["report"]["gathers"])
     assert all(first[p]["order"] != first["original"] for p in PIPELINES)
     assert first["drop-in"]["anchors"]
+    rewrite, moving = first["rewrite"]["report"]["passes"], first[PIPELINES[4]]["report"]["passes"]
+    assert rewrite["bucket"]["buckets"] and rewrite["unshard"]["unsharded"]
+    assert moving["gradients-first"]["moved"] and moving["fill-waits"]["moved"]
 
 
 # ---- fingerprints --------------------------------------------------------------------------
