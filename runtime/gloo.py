@@ -182,7 +182,7 @@ def run_ranks(
     ]
     try:
         with open(os.path.join(out_dir, "payload.pkl"), "wb") as f:
-            pickle.dump((fn, tuple(args)), f)
+            _Payload(f).dump((fn, tuple(args)))
         with _quiet_numpy_warning():
             for p in procs:
                 p.start()
@@ -303,6 +303,30 @@ def _single_group(gm: fx.GraphModule, world_size: int) -> str | None:
     return None
 
 
+class _Payload(pickle.Pickler):
+    """Pickles a GraphModule as the code it runs, loaded as a module that runs that code.
+
+    torch pickles a GraphModule as its code and, loading it, traces the code again to rebuild the
+    graph; a call on no traced value then runs once, at load, and becomes a constant:
+    `aten.rand([n])` would draw at load (each module its own numbers, not per call), an
+    `aten.empty` buffer would be one tensor shared by every call. A rank runs the code as the
+    caller's module does; it needs no graph."""
+
+    def reducer_override(self, obj):
+        if isinstance(obj, fx.GraphModule):
+            _, (body, import_block) = obj.__reduce__()  # its __dict__ less the graph, and its imports
+            return _code_module, (body, import_block)
+        return NotImplemented
+
+
+def _code_module(body: dict, import_block: str) -> torch.nn.Module:
+    """A module with a pickled GraphModule's attributes whose forward is its code (`_Payload`)."""
+    from torch.fx.graph_module import _CodeOnlyModule, _forward_from_src
+
+    forward = _forward_from_src(import_block + (body.get("_code") or body["code"]), {})
+    return type(body.get("_graphmodule_cls_name", "GraphModule"), (_CodeOnlyModule,), {"forward": forward})(body)
+
+
 def _call_graph(gm: fx.GraphModule, inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     with torch.no_grad():
         out = gm(*inputs)
@@ -321,7 +345,7 @@ def run_graph(
     """Execute ``gm`` on ``len(inputs_per_rank)`` gloo ranks; each rank's outputs, in rank order.
 
     The graph's (single) collective group name resolves to the default group.
-    ``gm`` travels by pickle, which drops node meta (execution does not need it).
+    ``gm`` travels as the code it runs (`_Payload`): the ranks run exactly that code.
     """
     world_size = len(inputs_per_rank)
     group = _single_group(gm, world_size)

@@ -139,3 +139,38 @@ def test_graph_group_names():
 def test_run_ranks_rejects_bad_world_size():
     with pytest.raises(ValueError, match="world_size"):
         run_ranks(_report, 0)
+
+
+def _draws_per_call(rank, world_size, gm):
+    """Each call from the same seed; and what `torch.rand` draws from that seed."""
+    calls = []
+    for _ in range(2):
+        torch.manual_seed(rank)
+        calls.append(gm(torch.zeros(4)))
+    torch.manual_seed(rank)
+    return calls, torch.rand(4)
+
+
+def _rand_and_buffer_graph():
+    """x + rand([4]) and a buffer from `empty` filled in place: calls on no input, which a
+    re-trace of the code (torch's way of loading a pickled GraphModule) would run once, at load."""
+    from torch import fx, nn
+
+    aten = torch.ops.aten
+    g = fx.Graph()
+    x = g.placeholder("x")
+    drawn = g.call_function(aten.rand.default, ([4],), {"device": torch.device("cpu")})
+    buffer = g.call_function(aten.empty.memory_format, ([4],), {"dtype": torch.float32, "device": torch.device("cpu")})
+    g.call_function(aten.fill_.Scalar, (buffer, 3.0))
+    g.output((g.call_function(aten.add.Tensor, (x, drawn)), buffer))
+    return fx.GraphModule(nn.Module(), g)
+
+
+@pytest.mark.multirank
+def test_ranks_run_a_graphs_code_as_it_is():
+    """A GraphModule sent to the ranks draws per call, as the caller's does, and each call makes
+    its own buffer: before, every rank re-traced the code, which drew once at load."""
+    for rank, (calls, expected) in enumerate(run_ranks(_draws_per_call, 2, args=(_rand_and_buffer_graph(),))):
+        (first, first_buffer), (second, second_buffer) = calls
+        assert torch.equal(first, expected) and torch.equal(second, expected), f"rank {rank}"
+        assert first_buffer.data_ptr() != second_buffer.data_ptr()
