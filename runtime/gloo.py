@@ -82,8 +82,8 @@ def _worker(rank: int, world_size: int, port: int, group_name: str | None, out_d
     try:
         # Ranks share few cores; more intra-op threads only contend.
         torch.set_num_threads(1)
-        # Unpickling a make_fx GraphModule re-traces it with make_fx's tracer, which needs
-        # this module imported (torch imports it lazily).
+        # A graph's code may call the triton kernel wrappers, registered by this module (torch
+        # imports it lazily).
         importlib.import_module("torch._higher_order_ops.triton_kernel_wrap")
 
         # The payload is loaded here, not by multiprocessing, so its errors are reported.
