@@ -190,13 +190,20 @@ class Schedule:
 
     def move_before(self, names: list[str], target: str) -> None:
         """Move `names` (kept in the given order) to just before `target`."""
+        block_of, off = self._block, self._off
+        if len(names) == 1:  # (sink's and overlap-reduce-scatter's moves: no set, no table of sources)
+            name = names[0]
+            if name == target:
+                raise ValueError(f"cannot move %{target} before itself")
+            block, into = block_of[name], block_of[target]
+            if block is into:
+                self._move_within(name, target, into)
+            else:
+                self._move_one(name, block, target, into)
+            return
         moving = set(names)
         if target in moving:
             raise ValueError(f"cannot move %{target} before itself")
-        block_of, off = self._block, self._off
-        if len(names) == 1 and block_of[names[0]] is block_of[target]:
-            self._move_within(names[0], target, block_of[target])
-            return
         sources: dict[_Block, int] = {}  # block -> lowest offset a name leaves it from
         for name in names:
             block, at = block_of[name], off[name]
@@ -204,12 +211,9 @@ class Schedule:
                 sources[block] = at
         self._moved |= moving
         self._flat = None
-        # out of their blocks (in C: a deletion, or the block filtered), then the rest re-indexed
+        # out of their blocks (in C: each block filtered), then the rest re-indexed
         for block, lo in sources.items():
-            if len(names) == 1:
-                del block.names[lo]
-            else:
-                block.names[lo:] = filterfalse(moving.__contains__, block.names[lo:])
+            block.names[lo:] = filterfalse(moving.__contains__, block.names[lo:])
             off.update(zip(block.names[lo:], range(lo, len(block.names))))
         # into the target's block, just before it
         into, at = block_of[target], off[target]
@@ -218,23 +222,41 @@ class Schedule:
         off.update(zip(into.names[at:], range(at, len(into.names))))
         # names moved only between the touched blocks: the starts of those after the first change
         blocks = self._blocks
-        if len(names) == 1:  # one name to another block: the starts between shift by one
-            source = next(iter(sources)).at
-            if into.at < source:
-                for later in blocks[into.at + 1:source + 1]:
-                    later.start += 1
-            else:
-                for later in blocks[source + 1:into.at + 1]:
-                    later.start -= 1
-        else:
-            first = min(into.at, min(b.at for b in sources))
-            last = max(into.at, max(b.at for b in sources))
-            for k in range(first + 1, last + 1):
-                before = blocks[k - 1]
-                blocks[k].start = before.start + len(before.names)
+        first = min(into.at, min(b.at for b in sources))
+        last = max(into.at, max(b.at for b in sources))
+        for k in range(first + 1, last + 1):
+            before = blocks[k - 1]
+            blocks[k].start = before.start + len(before.names)
         if len(into.names) >= 2 * _BLOCK:
             self._split(into)
         if any(not b.names for b in sources):
+            self._drop_empty()
+
+    def _move_one(self, name: str, block: _Block, target: str, into: _Block) -> None:
+        """`move_before([name], target)` where `target` is in another block: `name` leaves
+        `block` (the names after it there shift down one), goes into `into` just before
+        `target` (the names from there shift up one), and the starts of the blocks between
+        shift by one."""
+        self._moved.add(name)
+        self._flat = None
+        off = self._off
+        names, lo = block.names, off[name]
+        del names[lo]
+        off.update(zip(names[lo:], range(lo, len(names))))
+        names, at = into.names, off[target]
+        names.insert(at, name)
+        self._block[name] = into
+        off.update(zip(names[at:], range(at, len(names))))
+        blocks = self._blocks
+        if into.at < block.at:
+            for later in blocks[into.at + 1:block.at + 1]:
+                later.start += 1
+        else:
+            for later in blocks[block.at + 1:into.at + 1]:
+                later.start -= 1
+        if len(names) >= 2 * _BLOCK:
+            self._split(into)
+        if not block.names:
             self._drop_empty()
 
     def _move_within(self, name: str, target: str, block: _Block) -> None:

@@ -13,7 +13,7 @@ from itertools import compress, repeat
 
 import attrs
 
-from ..ir import Launch, Phase, Program
+from ..ir import Phase, Program
 from ..ir.holds import DEPTH_0, FIRST_GROUP, NO_CONSUMER
 from .base import ModulePass, PassContext, PassResult, check_depth, option, register_pass
 from .gathers import Gather, GatherAnalysis, held_by_lowering
@@ -38,9 +38,9 @@ class Anchor(ModulePass):
     def apply(self, ctx: PassContext, program: Program) -> PassResult:
         analysis = ctx.get(GatherAnalysis, program)
         stats = {"anchored": 0, FIRST_GROUP: 0, DEPTH_0: 0, NO_CONSUMER: len(analysis.unconsumed)}
-        updates: dict[str, Launch] = {}
+        updates: dict[str, tuple[str | None, str | None]] = {}  # launch -> (anchor, hold)
         for name in analysis.unconsumed:
-            updates[name] = _set(program.op(name), None, NO_CONSUMER)
+            updates[name] = (None, NO_CONSUMER)
         # the heavy ops of both phases, in one walk down the schedule (one per phase was a
         # tenth of the reference pipeline at 100k nodes)
         heavy = []
@@ -51,8 +51,7 @@ class Anchor(ModulePass):
             gathers = [g for g in analysis.gathers if g.phase is phase]
             anchors = self._anchors(program, gathers, heavy, phase, depth) if depth else {}
             for g in gathers:
-                op = program.op(g.launch)
-                if held_by_lowering(op):
+                if held_by_lowering(program.op(g.launch)):
                     continue  # malformed tags: leave its reason
                 if depth == 0:
                     reason = DEPTH_0
@@ -61,11 +60,12 @@ class Anchor(ModulePass):
                 else:
                     reason = FIRST_GROUP
                 stats["anchored" if reason is None else reason] += 1
-                updates[g.launch] = _set(op, anchors.get(g.launch), reason)
+                updates[g.launch] = (anchors.get(g.launch), reason)
         changed = False
-        for op in updates.values():
-            if op != program.op(op.name):
-                program.replace(op)
+        for name, (anchor, hold) in updates.items():
+            op = program.op(name)
+            if op.anchor != anchor or op.hold != hold:  # (the op is made only where it changes)
+                program.replace(attrs.evolve(op, anchor=anchor, hold=hold))
                 changed = True
         return PassResult(changed, stats)
 
@@ -117,6 +117,3 @@ class Anchor(ModulePass):
                     if pos(anchor) < pos(anchors.get(g.launch, consumer)):
                         anchors[g.launch] = anchor
 
-
-def _set(op: Launch, anchor: str | None, hold: str | None) -> Launch:
-    return attrs.evolve(op, anchor=anchor, hold=hold)

@@ -69,6 +69,8 @@ def test_bad_moves_and_lookups():
     schedule = Schedule(["a", "b", "c"])
     with pytest.raises(ValueError):
         schedule.move_before(["a", "b"], "b")
+    with pytest.raises(ValueError):  # one name: its own fast path
+        schedule.move_before(["b"], "b")
     with pytest.raises(KeyError):
         schedule.index("z")
     with pytest.raises(IndexError):
