@@ -29,20 +29,24 @@ class VerifyError(InputError):
         super().__init__("invalid program:\n  " + "\n  ".join(shown) + more)
 
 
-def verify(program: Program, *, structure: bool = True) -> None:
+def verify(program: Program, *, structure: bool = True, rules: bool = True) -> None:
     """Raise VerifyError listing every broken rule (structure first, then the schedule).
 
     `structure=False` checks only the schedule against the graph: enough after a pass that
-    changed nothing but the order and op attributes.
+    changed nothing but the order and op attributes. `rules=False` (with `structure=False`)
+    checks the schedule against the edges alone, not the frees and phases against the ops
+    again: enough where every edge is one derive_effects made, as it makes an edge of each
+    of those rules (the pass manager's last check of a run of passes that only moved nodes on
+    what lowering returned, `PassManager(verify_input=False)`).
     """
     with gc_paused():
-        _verify(program, structure)
+        _verify(program, structure, rules)
 
 
-def _verify(program: Program, structure: bool) -> None:
+def _verify(program: Program, structure: bool, rules: bool = True) -> None:
     problems = _structure(program) if structure else []
     if not problems:
-        problems = _schedule(program)
+        problems = _schedule(program) if structure or rules else _edges(program)
         # a schedule with every edge forward proves the graph acyclic; look for a cycle
         # only when some edge points backward, and then report the cycle alone
         if problems and not nx.is_directed_acyclic_graph(program.graph):
@@ -189,6 +193,31 @@ def _schedule(program: Program) -> list[str]:
                 if reader != name and pos[reader] > at and not isinstance(node[reader]["op"], Free):
                     problems.append(f"%{reader}: reads storage freed by %{name} but is scheduled after it")
     return problems
+
+
+def _edges(program: Program) -> list[str]:
+    """`_schedule` without the frees and phases: the schedule is a permutation of the nodes
+    and every edge points forward (one walk, as in `_schedule`)."""
+    graph = program.graph
+    node, pred = graph._node, graph._pred
+    names = program.schedule.names()
+    if len(names) != len(node):
+        return [_not_a_permutation(names, node)]
+    passed: set[str] = set()
+    edges_forward = True
+    try:
+        for name, preds in zip(names, map(pred.__getitem__, names)):
+            if not passed.issuperset(preds):
+                edges_forward = False
+            passed.add(name)
+    except KeyError:  # a name that is no node
+        return [_not_a_permutation(names, node)]
+    if len(passed) != len(names):  # a name repeated (so another is missing)
+        return [_not_a_permutation(names, node)]
+    if edges_forward:
+        return []
+    pos = dict(zip(names, range(len(names))))
+    return [_broken(u, v, e) for u, nbrs in graph._succ.items() for v, e in nbrs.items() if pos[u] >= pos[v]]
 
 
 def _not_a_permutation(names: list[str], node: dict) -> str:

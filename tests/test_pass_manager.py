@@ -280,10 +280,42 @@ def test_a_reordering_pass_that_rewires_the_graph_is_caught_at_the_end(extra_pas
             program.graph.add_edge(v, u, **e)
             return PassResult(True)
 
-    with pytest.raises(PassFailure) as info:
-        PassManager("test-rewire,sink").run(parse_program(PROGRAM))
-    assert "(or one of test-rewire,sink) left an invalid program" in str(info.value)
-    assert isinstance(info.value.cause, VerifyError)
+    for verify_input in (True, False):  # the edges alone (verify_input off) catch it too
+        with pytest.raises(PassFailure) as info:
+            PassManager("test-rewire,sink", verify_input=verify_input).run(parse_program(PROGRAM))
+        assert "(or one of test-rewire,sink) left an invalid program" in str(info.value)
+        assert isinstance(info.value.cause, VerifyError)
+
+
+@pytest.mark.parametrize("pipeline,verify_input,rules", [
+    ("anchor,budget,prefetch,sink", False, False),  # lowering's program, moves only: the edges alone
+    ("anchor,budget,prefetch,sink", True, True),  # a checked input: every rule
+    ("anchor,test-new-order,sink", False, True),  # a pass set a new schedule (checked whole): every rule
+])
+def test_the_last_check_reads_the_edges_alone_only_on_an_unchecked_input_moved_only(
+        extra_passes, monkeypatch, pipeline, verify_input, rules):
+    @extra_passes
+    @dataclasses.dataclass(frozen=True)
+    class NewOrder(ModulePass):
+        """Gives the program a new schedule of the same order: the manager checks it whole."""
+        name = "test-new-order"
+        reorders_only = True
+
+        def apply(self, ctx, program):
+            program.schedule = Schedule(program.schedule.names())
+            return PassResult(True)
+
+    import fxsched.passes.manager as manager
+    calls = []
+    real = manager.verify
+
+    def spy(program, **kwargs):
+        calls.append(kwargs)
+        return real(program, **kwargs)
+
+    monkeypatch.setattr(manager, "verify", spy)
+    PassManager(pipeline, verify_input=verify_input).run(parse_program(PROGRAM))
+    assert calls[-1] == {"structure": False, "rules": rules}
 
 
 # ---- instruments --------------------------------------------------------------------------------

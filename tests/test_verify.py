@@ -257,3 +257,31 @@ def test_many_problems_are_listed_with_a_count():
         verify(program)
     assert len(info.value.problems) > 10
     assert f"... and {len(info.value.problems) - 10} more" in str(info.value)
+
+
+def test_the_edges_alone_check_order_and_permutation_not_the_rules():
+    # rules=False: the schedule against the edges only (what the pass manager runs last on
+    # lowering's program, whose edges carry the free and phase rules)
+    program = valid()
+    verify(program, structure=False, rules=False)
+    reorder(program, "relu", before="mm")
+    with pytest.raises(VerifyError) as info:
+        verify(program, structure=False, rules=False)
+    assert info.value.problems == ["%relu: scheduled before %mm, which it must follow by a data edge"]
+    program = valid()
+    program.schedule = Schedule([n for n in program.schedule if n != "relu"])
+    with pytest.raises(VerifyError, match="missing \\['relu'\\]"):
+        verify(program, structure=False, rules=False)
+    program = valid()
+    program.schedule = Schedule([*program.schedule.names()[:-1], "ghost", "output"])
+    with pytest.raises(VerifyError, match="unknown \\['ghost'\\]"):
+        verify(program, structure=False, rules=False)
+    # a reader after the free with the free's edges gone: only the rules see it
+    program = valid()
+    for reader in ("mm", "sl", "v"):
+        program.graph.remove_edge(reader, "f")
+    program.graph.add_edge("f", "cp", kind=EFFECT, why="barrier")
+    reorder(program, "f", before="mm")
+    verify(program, structure=False, rules=False)
+    with pytest.raises(VerifyError, match="reads storage freed by %f"):
+        verify(program, structure=False)
