@@ -19,26 +19,29 @@ clock. A trial runs only to the last op it touches (`_SharedBaseSweep.quick`): f
 program is the base's, and the clock's rules are max-plus linear, so the step is read off
 tails that one backward pass per run computes (what the compute time, each stream and each
 pending collective add to the step from each slot on); where that figure is within NEAR_MS of
-what decides, the exact run (on until trial and base run the same) decides (`settle`). What is
-left is the stretch itself: a bucket of K members steps its trial K times from its first
-launch to its last member's wait, and where gathers are launched long before their waits (the
-generated graphs launch a forward's gathers back to back), that stretch grows with the graph:
-the trial is not the base shifted anywhere in it (the base waits exposed on each gather, the
-trial's compute runs ahead of its stream). Carrying the trial through it as the base plus a few
-shifts (of its compute, of its stream) in max-plus form would make a trial cost its own ops;
-that is not done.
+what decides, the exact run (on until trial and base run the same) decides (`settle`). Up to
+that op a trial does not step the stretch op by op either (`_Walk`): a run of launches on one
+stream is stepped at once (back to back from max(compute time, stream), its ends read off
+prefix sums where asked), and a stretch between two of the trial's own changes that launches
+nothing and waits only on what was launched before the bucket's first slot is a map of the
+compute time, t -> max(t + a, b), made once per bucket (`_SharedBaseSweep._piece`): the
+generated graphs launch a forward's gathers back to back and wait on them one by one, so a
+trial of K members costs about K such maps, not the ~2000 slots (30k generated) from its first
+launch to its last member's wait. What is left: the run of the program as it is (the base) is
+still stepped per bucket over that stretch, and a stretch that launches (the backward's
+reduce-scatters between its re-gathers) is stepped op by op.
 """
 
 from __future__ import annotations
 
 import math
-from bisect import bisect_left, bisect_right, insort
+from bisect import bisect_left, insort
 from collections import Counter
 
 import attrs
 
 from ..cost.model import Roofline, is_zero_cost
-from ..cost.simulate import (LAUNCH, OTHER, WAIT, MemoryProfile, Sweep, alloc_bytes, keeper_slots, last_kept,
+from ..cost.simulate import (LAUNCH, OTHER, WAIT, Clock, MemoryProfile, Sweep, alloc_bytes, keeper_slots, last_kept,
                              memory_profile, op_getter, step_of, steps_of)
 from ..ir import EFFECT, Free, Program, View, Wait
 from ..ir.effects import storage_readers, storage_root
@@ -113,7 +116,9 @@ class _SharedBaseSweep(Sweep):
         self.quick_base = None  # the quick trials' run of the base (see `quick`)
         self.slot = {n: i for i, n in enumerate(order)}
         self.dirty = -1    # the last slot a made change touched: the tails hold after it
+        self.made: list[int] = []  # the slots a made change skips or puts steps before, in order
         self._tails()
+        self._stretches()
 
     def make(self, skip: set[str], before: dict[str, list]) -> None:
         super().make(skip, before)
@@ -121,6 +126,8 @@ class _SharedBaseSweep(Sweep):
         self._anchor(before)
         slot = self.slot
         self.dirty = max(self.dirty, *(slot[n] for n in skip), *(slot[n] for n in before))
+        for i in {slot[n] for n in (*skip, *before)}:
+            insort(self.made, i)
 
     def _tails(self) -> None:
         """What each part of the state just before slot x adds to the step, by the program after
@@ -185,83 +192,142 @@ class _SharedBaseSweep(Sweep):
                     step = e
         return step
 
+    def _stretches(self) -> None:
+        """Where a run of the schedule can be stepped at once (`_Walk.walk`): from each op that is
+        not a collective, the slots until the next collective (`other_end`), over which the
+        compute time only adds their costs (`other_sum`, prefix sums); from each launch, the slots
+        until anything but a launch on its stream or an op priced at nothing (`launch_end`),
+        which leave the compute time alone, so its stream runs them back to back from
+        max(its time, the compute time) (`launch_sum`, and `gathered` bytes, prefix sums); and
+        for the tails, from each launch to its run's end, the largest launch_sum after it plus
+        the collective's tail (`launch_tail`: what the run's pending ends add to the step)."""
+        order, steps, n = self.order, self.steps, len(self.order)
+        other_sum, launch_sum, gathered = [0.0] * (n + 1), [0.0] * (n + 1), [0] * (n + 1)
+        acc_o = acc_l = 0.0
+        acc_g = 0
+        for i, name in enumerate(order):
+            kind, cost, _, extra = steps[name]
+            if kind == OTHER:
+                acc_o += cost
+            elif kind == LAUNCH:
+                acc_l += cost
+                acc_g += extra
+            other_sum[i + 1], launch_sum[i + 1], gathered[i + 1] = acc_o, acc_l, acc_g
+        other_end, launch_end, launch_tail = [0] * n, [0] * n, [-math.inf] * n
+        ninf, tail_end = -math.inf, self.tail_end
+        next_busy = n       # the first slot after i that is not an op priced at nothing
+        for i in range(n - 1, -1, -1):
+            kind, cost, stream, _ = steps[order[i]]
+            if kind == OTHER:
+                other_end[i] = other_end[i + 1] if i + 1 < n and steps[order[i + 1]][0] == OTHER else i + 1
+            elif kind == LAUNCH:
+                k = next_busy  # (the ops priced at nothing between, then the next that is not)
+                same = k < n and steps[order[k]][0] == LAUNCH and steps[order[k]][2] == stream
+                launch_end[i] = launch_end[k] if same else k
+                e = tail_end.get(order[i])
+                mine = ninf if e is None else launch_sum[i + 1] + e
+                after = launch_tail[k] if same else ninf
+                launch_tail[i] = mine if mine > after else after
+            if kind != OTHER or cost != 0.0:
+                next_busy = i
+        self.other_sum, self.launch_sum, self.gathered = other_sum, launch_sum, gathered
+        last_launch, k = [0] * n, -1  # the last launch at or before each slot (-1: none)
+        for i, name in enumerate(order):
+            if steps[name][0] == LAUNCH:
+                k = i
+            last_launch[i] = k
+        self.last_launch = last_launch
+        self.other_end, self.launch_end, self.launch_tail = other_end, launch_end, launch_tail
+
     def quick(self, at: int, end: int, skip: set[str], before: dict[str, list]):
         """(step change, a bound on the most gathered bytes in flight) of a trial, or None where
         the tails do not hold (a change made at or after `end`, a collective waited twice).
 
         Instead of running trial and base on until they run the same (`trial`), both are run to
         just after `end` and their steps read off the tails there (`_tails`): a trial costs
-        order[at:end], not the stretch until the two agree. The step change is the exact one up
-        to rounding and `Clock.same`'s tolerance (~1e-9 ms; `settle` lets the exact one decide
-        near a tie); in flight: the trial's own level to `end`, then the base's largest level
-        after it (the two have the same collectives in flight from there on)."""
+        order[at:end], not the stretch until the two agree; and there it steps one op at a time
+        only the ops a change touches and the waits: between them, runs of ops that are no
+        collective and runs of launches on one stream are stepped at once (`_Walk`). The step
+        change is the exact one up to rounding and `Clock.same`'s tolerance (~1e-9 ms; `settle`
+        lets the exact one decide near a tie); in flight: the trial's own level to `end`, then
+        the base's largest level after it (the two have the same collectives in flight from
+        there on)."""
         if not self.quick_ok or end < self.dirty or end + 1 > len(self.order):
             return None
         self._anchor(before)
         self.advance(at)
-        live, order, steps, cur_skip, cur_before = self.live, self.order, self.steps, self.skip, self.before
-        stop = bisect_right(live, end)
+        x = end + 1
+        made = self.made
+        made = made[bisect_left(made, at):bisect_left(made, x)]
         qb = self.quick_base
-        if qb is None or qb[0] != at:
-            qb = self.quick_base = [at, self.clock.fork(), bisect_left(live, at)]
-        if qb[2] > stop:  # the base ran past this trial's end (an earlier, longer trial)
+        if qb is None or qb.at != at:
+            qb = self.quick_base = _Walk(self, self.clock, at)
+        if qb.at_slot > x:  # the base ran past this trial's end (an earlier, longer trial)
             return None
-        base = qb[1]
-        for j in range(qb[2], stop):
-            name = order[live[j]]
-            for new, s in cur_before.get(name, ()):
-                base.step(new, s)
-            if name not in cur_skip:
-                base.step(name, steps[name])
-        qb[2] = stop
-        clock = self.clock
-        t, level, peak, last = clock.t, clock.level, 0, clock.t
-        free, pending, own, shared = dict(clock.free), dict(clock.pending), {}, clock.ends
-        for j in range(bisect_left(live, at), stop):
-            name = order[live[j]]
-            if name in cur_before or name in before:
-                todo = [*cur_before.get(name, ()), *before.get(name, ())]
-                if name not in cur_skip and name not in skip:
+        qb.walk(qb.at_slot, x, (), {}, made)
+        slot, order, cur_before = self.slot, self.order, self.before
+        trial = _Walk(self, self.clock, at)
+        pieces, last_launch = qb.pieces, self.last_launch
+        lo = at
+        for i in sorted({*(slot[n] for n in skip), *(slot[n] for n in before), x}):
+            if lo < i:  # a stretch the change leaves alone: its launches stepped, then the rest at once
+                mid = last_launch[i - 1] + 1
+                if mid > lo:
+                    trial.walk(lo, mid, (), {}, made)
+                    lo = mid
+                if lo < i:
+                    m = pieces.get((lo, i))
+                    if m is None:
+                        m = pieces[(lo, i)] = self._piece(lo, i)
+                    if m is False:
+                        trial.walk(lo, i, (), {}, made)
+                    else:
+                        trial.jump(m)
+            if i == x:
+                break
+            name = order[i]
+            if name in before or name in cur_before or name not in skip:
+                trial.walk(i, i + 1, skip, before, [i])
+            lo = i + 1
+        high = trial.peak if trial.peak > trial.level else trial.level
+        return trial.final(x) - qb.final(x), max(high, self.level_after[x])
+
+    def _piece(self, lo: int, hi: int):
+        """Slots [lo, hi) of the program as it is, launching nothing, as a map of the compute
+        time (a, b): t -> max(t + a, b), and the collectives in flight it waits (`_Walk.jump`);
+        or False where it waits on a collective
+        launched from the trial's first slot on (or never), or launches one: those are walked.
+        The same for every trial of one bucket: they start from the same clock."""
+        live, order, steps, cur_skip, cur_before = self.live, self.order, self.steps, self.skip, self.before
+        shared, pending = self.clock.ends, self.clock.pending
+        a, b, waited = 0.0, -math.inf, []
+        for j in range(bisect_left(live, lo), len(live)):
+            i = live[j]
+            if i >= hi:
+                break
+            name = order[i]
+            if name in cur_before:
+                todo = [*cur_before[name]]
+                if name not in cur_skip:
                     todo.append((name, steps[name]))
-            elif name in cur_skip or name in skip:
+            elif name in cur_skip:
                 continue
             else:
                 todo = ((name, steps[name]),)
-            for step_name, (kind, cost, stream, extra) in todo:  # Clock.step, as in `trial`
+            for _, (kind, cost, _, extra) in todo:
                 if kind == LAUNCH:
-                    begin = free.get(stream, 0.0)
-                    if begin < t:
-                        begin = t
-                    done = begin + cost
-                    free[stream] = done
-                    own[step_name] = done
-                    pending[step_name] = extra
-                    if extra:
-                        if t != last:
-                            if level > peak:
-                                peak = level
-                            last = t
-                        level += extra
-                    continue
+                    return False
                 if kind == WAIT:
-                    done = own.get(extra)
-                    if done is None:
-                        done = shared.get(extra)
-                    if done is not None:
-                        if done > t:
-                            t = done
-                        gathered = pending.pop(extra, 0)
-                        if gathered:
-                            if t != last:
-                                if level > peak:
-                                    peak = level
-                                last = t
-                            level -= gathered
-                t = t + cost
-        x = end + 1
-        trial_step = self._final(x, t, free, pending, lambda n: own[n] if n in own else shared[n])
-        base_step = self._final(x, base.t, base.free, base.pending, base.ends.get)
-        return trial_step - base_step, max(peak, level, self.level_after[x])
+                    e = shared.get(extra)
+                    if e is None:
+                        return False
+                    if e > b:
+                        b = e
+                    if extra in pending:
+                        waited.append(extra)
+                a += cost
+                b += cost
+        return a, b, tuple(waited)
 
     def _anchor(self, before) -> None:
         """Slots with new steps before them are stepped, whatever their own op."""
@@ -410,6 +476,194 @@ class _SharedBaseSweep(Sweep):
             k = bisect_left(live, i) - 1
             state[i] = state[live[k]] if k >= 0 and live[k] >= base["at"] else base["first"]
         return state[i]
+
+
+class _Walk:
+    """A run of `Clock.step`'s rules over the program as the sweep has it (its skips and steps
+    before) and a change (`skip`, `before`), from the sweep's clock at slot `at`: its compute
+    time `t`, streams `free`, in-flight level and peak (as `Clock` counts them), and the ends of
+    what it launched: one at a time (`own`, `pending`), or a run of launches on one stream
+    stepped at once (`runs`: [first slot, end slot, start, slots since waited]; the ends are the
+    start plus the run's costs so far, `launch_sum`)."""
+
+    __slots__ = ("sweep", "t", "free", "pending", "own", "shared", "runs", "level", "peak", "last", "at",
+                 "at_slot", "pieces")
+
+    def __init__(self, sweep: _SharedBaseSweep, clock: Clock, at: int):
+        self.sweep, self.at, self.at_slot = sweep, at, at
+        self.t, self.level, self.peak, self.last = clock.t, clock.level, 0, clock.t
+        self.free, self.pending, self.own, self.shared, self.runs = dict(clock.free), dict(clock.pending), {}, \
+            clock.ends, []
+        self.pieces: dict = {}  # (lo, hi) -> `_SharedBaseSweep._piece` of it, for the trials from `at`
+
+    def jump(self, piece: tuple) -> None:
+        """Step a `_SharedBaseSweep._piece` at once. The in-flight level only falls over it: its
+        level before it counts as reached (a bound: `Clock` counts it only where a run of equal
+        times ends), and the next level counts whatever its time."""
+        a, b, waited = piece
+        t = self.t + a
+        self.t = b if b > t else t
+        pending, drop = self.pending, 0
+        for n in waited:
+            drop += pending.pop(n, 0)
+        if drop:
+            if self.level > self.peak:
+                self.peak = self.level
+            self.level -= drop
+            self.last = math.nan
+
+    def walk(self, lo: int, hi: int, skip, before, specials: list[int]) -> None:
+        """Step slots [lo, hi): `specials` (sorted slots) one op at a time, as `Sweep.trial`
+        steps them (with the sweep's and the change's skips and steps before), a wait one at a
+        time, and the runs between at once."""
+        sweep = self.sweep
+        live, order, steps, cur_skip, cur_before = sweep.live, sweep.order, sweep.steps, sweep.skip, sweep.before
+        other_sum, launch_sum, gathered_sum = sweep.other_sum, sweep.launch_sum, sweep.gathered
+        other_end, launch_end = sweep.other_end, sweep.launch_end
+        t, level, peak, last = self.t, self.level, self.peak, self.last
+        free, pending, own, shared = self.free, self.pending, self.own, self.shared
+        n_live, n_sp = len(live), len(specials)
+        j = bisect_left(live, lo)
+        p = bisect_left(specials, lo)
+        nsp = specials[p] if p < n_sp else hi
+        while j < n_live:
+            i = live[j]
+            if i >= hi:
+                break
+            while nsp < i:
+                p += 1
+                nsp = specials[p] if p < n_sp else hi
+            name = order[i]
+            if i == nsp:
+                if name in cur_before or name in before:
+                    todo = [*cur_before.get(name, ()), *before.get(name, ())]
+                    if name not in cur_skip and name not in skip:
+                        todo.append((name, steps[name]))
+                elif name in cur_skip or name in skip:
+                    j += 1
+                    continue
+                else:
+                    todo = ((name, steps[name]),)
+                r = i + 1
+            else:
+                s = steps[name]
+                kind = s[0]
+                if kind == OTHER:
+                    r = other_end[i]
+                    if r > nsp:
+                        r = nsp
+                    t = t + (other_sum[r] - other_sum[i])
+                    todo = ()
+                elif kind == LAUNCH:
+                    r = launch_end[i]
+                    if r > nsp:
+                        r = nsp
+                    if r > i + 1:  # a run of launches on one stream, back to back from max(t, free)
+                        stream = s[2]
+                        begin = free.get(stream, 0.0)
+                        if begin < t:
+                            begin = t
+                        free[stream] = begin + (launch_sum[r] - launch_sum[i])
+                        extra = gathered_sum[r] - gathered_sum[i]
+                        if extra:
+                            if t != last:
+                                if level > peak:
+                                    peak = level
+                                last = t
+                            level += extra
+                        self.runs.append([i, r, begin, None])
+                        todo = ()
+                    else:
+                        todo = ((name, s),)
+                else:
+                    r = i + 1
+                    todo = ((name, s),)
+            for step_name, (kind, cost, stream, extra) in todo:  # Clock.step, as in `trial`
+                if kind == LAUNCH:
+                    begin = free.get(stream, 0.0)
+                    if begin < t:
+                        begin = t
+                    done = begin + cost
+                    free[stream] = done
+                    own[step_name] = done
+                    pending[step_name] = extra
+                    if extra:
+                        if t != last:
+                            if level > peak:
+                                peak = level
+                            last = t
+                        level += extra
+                    continue
+                if kind == WAIT:
+                    done = own.get(extra)
+                    if done is None:
+                        done = shared.get(extra)
+                    if done is not None:
+                        if done > t:
+                            t = done
+                        gathered = pending.pop(extra, 0)
+                    elif self.runs:
+                        done, gathered = self._wait_in_run(extra)
+                        if done is not None and done > t:
+                            t = done
+                    else:
+                        gathered = 0
+                    if done is not None and gathered:
+                        if t != last:
+                            if level > peak:
+                                peak = level
+                            last = t
+                        level -= gathered
+                t = t + cost
+            j += 1
+            if j < n_live and live[j] < r:
+                j = bisect_left(live, r, j)
+        self.t, self.level, self.peak, self.last = t, level, peak, last
+        if hi > self.at_slot:
+            self.at_slot = hi
+
+    def _wait_in_run(self, launch: str) -> tuple:
+        """(end, gathered bytes still in flight) of `launch` where a run stepped at once launched
+        it, else (None, 0)."""
+        sweep = self.sweep
+        k = sweep.slot.get(launch)
+        if k is None:
+            return None, 0
+        for run in self.runs:
+            first, stop, begin, waited = run
+            if first <= k < stop and sweep.steps[launch][0] == LAUNCH:
+                done = begin + (sweep.launch_sum[k + 1] - sweep.launch_sum[first])
+                if waited is None:
+                    waited = run[3] = set()
+                if k in waited:
+                    return done, 0
+                waited.add(k)
+                return done, sweep.steps[launch][3]
+        return None, 0
+
+    def final(self, x: int) -> float:
+        """The step of the program from this state just before slot x on, by the tails."""
+        sweep = self.sweep
+        own, shared = self.own, self.shared
+        step = sweep._final(x, self.t, self.free, self.pending, lambda n: own[n] if n in own else shared[n])
+        order, launch_sum, launch_tail, launch_end, tail_end = (sweep.order, sweep.launch_sum, sweep.launch_tail,
+                                                                sweep.launch_end, sweep.tail_end)
+        for first, stop, begin, waited in self.runs:
+            if waited is None and stop == launch_end[first]:  # the run's largest end + tail, at once
+                e = launch_tail[first] - launch_sum[first] + begin
+                if e > step:
+                    step = e
+                continue
+            for k in range(first, stop):
+                if waited is not None and k in waited:
+                    continue
+                e = tail_end.get(order[k])
+                if e is None or sweep.steps[order[k]][0] != LAUNCH:
+                    continue
+                e += begin + (launch_sum[k + 1] - launch_sum[first])
+                if e > step:
+                    step = e
+        return step
 
 
 def _in_flight(clock, name: str, s: tuple, at: int, launched: dict, waited: dict) -> None:

@@ -427,3 +427,86 @@ def test_a_quick_step_near_what_decides_is_settled_by_the_exact_one():
     assert settle(far, before, 100, 0.0) == (far, before)
     over = trial(-0.4, 200, lambda: (-0.4, 50))
     assert settle(over, before, 100, 0.0)[0].inflight_bytes == 50
+
+
+def _random_steps(data):
+    """A random schedule for the clock: compute ops, launches on two streams (some gathered, some
+    in runs back to back), each waited at most once, somewhere after its launch."""
+    from fxsched.cost.simulate import LAUNCH, OTHER, WAIT
+    n = data.draw(st.integers(4, 60))
+    order, steps, open_ = [], {}, []
+    costs = st.sampled_from([0.0, 0.0, 0.25, 0.5, 1.0, 1.5, 3.0])
+    for i in range(n):
+        name = f"op{i}"
+        kind = data.draw(st.sampled_from(["other", "launch", "launch", "wait"] if open_ else ["other", "launch"]))
+        if kind == "launch":
+            steps[name] = (LAUNCH, data.draw(costs), data.draw(st.sampled_from(["comm:a", "comm:b"])),
+                           data.draw(st.sampled_from([0, 0, 64, 100])))
+            open_.append(name)
+        elif kind == "wait":
+            launch = open_.pop(data.draw(st.integers(0, len(open_) - 1)))
+            steps[name] = (WAIT, data.draw(costs), None, launch)
+        else:
+            steps[name] = (OTHER, data.draw(costs), None, None)
+        order.append(name)
+    return order, steps
+
+
+def _random_change(data, order, steps, lo, tag):
+    """A change as a bucket makes one from slot `lo` on: some collectives after it skipped with
+    their waits, a new launch before the first op of the change and a new wait on it (with a
+    compute op after) before a later op."""
+    from fxsched.cost.simulate import LAUNCH, OTHER, WAIT
+    launches = [i for i in range(lo, len(order)) if steps[order[i]][0] == LAUNCH]
+    if not launches:
+        return None
+    at = launches[0]
+    waits = {steps[n][3]: i for i, n in enumerate(order) if steps[n][0] == WAIT}
+    members = [i for i in launches if data.draw(st.booleans()) or i == at]
+    skip = {order[i] for i in members} | {order[waits[order[i]]] for i in members if order[i] in waits}
+    touched = [order.index(n) for n in skip]
+    here = data.draw(st.integers(at, max(touched)))
+    new = f"{tag}_launch"
+    before = {order[at]: [(new, (LAUNCH, data.draw(st.sampled_from([0.5, 2.0, 4.0])), steps[order[at]][2], 100))]}
+    before.setdefault(order[here], []).extend([(f"{tag}_wait", (WAIT, 0.0, None, new)),
+                                               (f"{tag}_copy", (OTHER, data.draw(st.sampled_from([0.0, 0.25])),
+                                                                None, None))])
+    return at, max(touched + [here]), skip, before
+
+
+@settings(max_examples=300, deadline=None)
+@given(data=st.data())
+def test_quick_trials_step_as_the_exact_sweep_on_random_schedules(data):
+    """`_SharedBaseSweep.quick` (stretches it leaves alone stepped at once: launch runs, maps of
+    the compute time; the rest read off the tails) gives the step change `Sweep.trial` (both
+    programs stepped side by side until they run the same) gives, within a tenth of NEAR_MS, and
+    an in-flight bound no lower than its level, on random schedules of two streams, for trials
+    before and after a change is made, several from one first slot (as a bucket grows)."""
+    from fxsched.cost.simulate import Sweep
+    from fxsched.passes.bucket_trials import NEAR_MS, _SharedBaseSweep
+    order, steps = _random_steps(data)
+    fast, plain = _SharedBaseSweep(order, steps), Sweep(order, steps)
+    lo, compared = 0, 0
+    for round_ in range(3):
+        change = _random_change(data, order, steps, lo, f"b{round_}")
+        if change is None:
+            break
+        at, end, skip, before = change
+        for _ in range(data.draw(st.integers(1, 3))):  # trials from one slot, as a growing bucket's
+            got = fast.quick(at, end, skip, before)
+            want = plain.trial(at, end, skip, before)
+            if got is not None:
+                assert abs(got[0] - want[0]) <= NEAR_MS / 10, (got, want)
+                assert got[1] >= want[2], (got, want)
+                compared += 1
+            more = _random_change(data, order, steps, at, f"g{round_}")
+            if more is None or more[0] != at:
+                break
+            end, skip = max(end, more[1]), skip | more[2]
+        if data.draw(st.booleans()):
+            fast.make(set(skip), before)
+            plain.make(set(skip), before)
+            lo = end + 1
+        else:
+            lo = at + 1
+    event(f"compared {min(compared, 3)}")
