@@ -525,14 +525,14 @@ class _Walk:
         n_live, n_sp = len(live), len(specials)
         j = bisect_left(live, lo)
         p = bisect_left(specials, lo)
-        nsp = specials[p] if p < n_sp else hi
+        nsp = specials[p] if p < n_sp and specials[p] < hi else hi
         while j < n_live:
             i = live[j]
             if i >= hi:
                 break
             while nsp < i:
                 p += 1
-                nsp = specials[p] if p < n_sp else hi
+                nsp = specials[p] if p < n_sp and specials[p] < hi else hi
             name = order[i]
             if i == nsp:
                 if name in cur_before or name in before:
