@@ -4,7 +4,10 @@ Three edits, each keeping the program verified locally, so a rewriting pass is a
 write and to check as a reorder-only one:
 
 - `create(op, before=name)`: add an op (its operands must exist and come earlier in the
-  schedule) with its data edges, placed in the schedule just before `name`;
+  schedule) with its data edges, placed in the schedule just before `name`, and the edges the
+  rules of ir/effects.py give it there: its phase's side of `^backward`, the barriers around
+  it, after `^entry` when it reads only inputs (a pack of shards: without them a later pass
+  could move it into the forward, or across a barrier);
 - `replace_uses(old, new)`: every data use of `old` reads `new` instead, ordered against the
   other accesses of `new`'s storage as ir/effects.py would have derived (a use that frees or
   writes it after every earlier reader, a read before any later free or write; a launch's
@@ -39,10 +42,13 @@ takes a rewriter of its own).
 
 from __future__ import annotations
 
+from bisect import bisect
+from weakref import WeakKeyDictionary
+
 import attrs
 
-from .effects import storage_readers, storage_root
-from .ops import Free, Launch, Op, Wait
+from .effects import BACKWARD, ENTRY, storage_readers, storage_root
+from .ops import Barrier, Free, Input, Launch, Op, Phase, Wait
 from .program import DATA, EFFECT, Program
 from .waits import waits_of
 
@@ -89,6 +95,8 @@ class Rewriter:
         one, raising refuses the op."""
         program = self.program
         pos = program.schedule.index
+        if not op.MOVABLE:
+            raise RewriteError(f"create(%{op.name}): {op.KIND} ops are never created")
         if before not in program.schedule:
             raise RewriteError(f"create(%{op.name}): %{before} is not scheduled")
         for operand in op.operands:
@@ -107,6 +115,7 @@ class Rewriter:
                 launch = program.op(op.launched_by)
                 edges += [e for operand in dict.fromkeys(launch.operands)
                           for e in self._storage_order([op.name], operand)]
+            edges += self._boundary_order(op)
         except RewriteError:
             program.graph.remove_node(op.name)
             program.schedule.remove(op.name)
@@ -117,6 +126,31 @@ class Rewriter:
             program.payload[op.name] = payload
         self.created += 1
         return op
+
+    def _boundary_order(self, op: Op) -> list[tuple[str, str, str]]:
+        """The phase, barrier and entry edges ir/effects.py's rules give `op` where it is
+        scheduled: a forward op precedes `^backward`, a backward op follows it (RewriteError if
+        its slot is on the other side); the barriers before and after its slot bound it; it
+        follows `^entry` if it reads nothing but inputs."""
+        program = self.program
+        graph, name, pos = program.graph, op.name, program.schedule.index
+        edges = []
+        if BACKWARD in graph:
+            backward = op.phase is Phase.BACKWARD
+            if backward != (pos(BACKWARD) < pos(name)):
+                raise RewriteError(f"create(%{name}): a {op.phase.name.lower()} op scheduled "
+                                   f"{'before' if backward else 'after'} {BACKWARD}")
+            edges.append((BACKWARD, name, "phase") if backward else (name, BACKWARD, "phase"))
+        barriers = _barriers(program)
+        if barriers:
+            at = bisect(barriers, pos(name), key=pos)
+            if at:
+                edges.append((barriers[at - 1], name, "barrier"))
+            if at < len(barriers):
+                edges.append((name, barriers[at], "barrier"))
+        if ENTRY in graph and all(isinstance(program.op(o), Input) for o in op.operands):
+            edges.append((ENTRY, name, "entry"))
+        return edges
 
     # ---- take over an op's order ---------------------------------------------------------
     def inherit(self, old: str, new: str, *, skip: set[str] = frozenset()) -> None:
@@ -264,6 +298,20 @@ class Rewriter:
         program.payload.pop(name, None)
         self._writer_cache.clear()  # it may have been a writer, or read through an alias of one
         self.erased += 1
+
+
+_BARRIERS: WeakKeyDictionary[Program, list[str]] = WeakKeyDictionary()
+
+
+def _barriers(program: Program) -> list[str]:
+    """The program's barriers in schedule order, found once per program: barriers never move,
+    and the rewriter neither creates nor erases one, so the list holds while a program changes
+    through rewriters (a bucket pass makes one per bucket: a walk per rewriter would be O(N) each)."""
+    found = _BARRIERS.get(program)
+    if found is None:
+        node = program.node_data
+        found = _BARRIERS[program] = [n for n in program.schedule.names() if isinstance(node[n]["op"], Barrier)]
+    return found
 
 
 def _writes(program: Program, name: str, root: str) -> bool:

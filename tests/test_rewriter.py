@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from fxsched.ir import EFFECT, Compute, Phase, Wait, parse_program, verify
+from fxsched.ir import EFFECT, Barrier, Compute, Phase, Wait, parse_program, verify
 from fxsched.ir.rewriter import Rewriter, RewriteError
 
 TEXT = """
@@ -209,3 +209,49 @@ def test_rewrites_add_the_edges_a_walk_of_every_reader_adds(model, width, monkey
     monkeypatch.setattr(Rewriter, "_writers", walked)
     walked_text, walked_edges, _ = run()
     assert kept == walked_text and kept_edges == walked_edges
+
+
+BARRIERED = """
+%x = input
+%w = input
+^entry
+%a = compute "aten.neg"(%x)
+%b = barrier "aten.copy_"(%a) {reason = "mutation"}
+%c = compute "aten.neg"(%a)
+^backward
+%d = compute "aten.neg"(%c)
+%e = barrier "aten.copy_"(%d) {reason = "mutation"}
+%g = compute "aten.neg"(%d)
+%output = output(%g)
+"""
+
+
+def test_create_gives_a_new_op_its_phase_barrier_and_entry_edges():
+    """A backward op reading only an input (a pack of shards) is created between the two
+    barriers: it follows ^backward, ^entry and %b, and precedes %e — else a later pass that
+    moves what its edges allow (fill-waits, gradients-first) could take it into the forward, as
+    it did a bucket's pack, or across a barrier."""
+    program = parse_program(BARRIERED)
+    Rewriter(program).create(Compute(name="pack", operands=("w",), phase=Phase.BACKWARD, target="aten.cat"),
+                             before="d")
+    verify(program)
+    for first, then in (("^backward", "pack"), ("^entry", "pack"), ("b", "pack"), ("pack", "e")):
+        assert program.graph.has_edge(first, then) and program.graph.edges[first, then]["kind"] == EFFECT
+    # a forward op in the forward precedes ^backward and the barrier after it
+    Rewriter(program).create(Compute(name="early", operands=("a",), target="aten.neg"), before="c")
+    assert program.graph.has_edge("early", "^backward") and program.graph.has_edge("b", "early")
+    assert not program.graph.has_edge("^entry", "early")  # it reads %a, which follows ^entry
+    verify(program)
+
+
+def test_create_refuses_an_op_on_the_wrong_side_of_backward_and_ops_that_never_move():
+    program = parse_program(BARRIERED)
+    with pytest.raises(RewriteError, match="a forward op scheduled after \\^backward"):
+        Rewriter(program).create(Compute(name="late", operands=("c",), target="aten.neg"), before="g")
+    with pytest.raises(RewriteError, match="a backward op scheduled before \\^backward"):
+        Rewriter(program).create(Compute(name="soon", operands=("a",), phase=Phase.BACKWARD, target="aten.neg"),
+                                 before="c")
+    with pytest.raises(RewriteError, match="barrier ops are never created"):
+        Rewriter(program).create(Barrier(name="z", operands=("a",), target="aten.copy_"), before="c")
+    assert "late" not in program.graph and "soon" not in program.graph and "z" not in program.graph
+    verify(program)
