@@ -103,14 +103,14 @@ class Hide(ModulePass):
                 # the stream is its from the launch slot it gets (the same on a second run)
                 limit = start_at[min(slot, here)]
                 if slot >= here:  # it stays where it is
-                    new = attrs.evolve(op, anchor=None, hold=reason or HIDDEN)
+                    anchor, hold = None, reason or HIDDEN
                     stats[reason or HIDDEN] += 1
                 else:
-                    new = attrs.evolve(op, anchor=schedule[slot], hold=None)
+                    anchor, hold = schedule[slot], None
                     stats["anchored"] += 1
                     stats[NOT_HIDDEN] += reason is not None  # anchored anyway: earliest exposes least
-                if new != op:
-                    program.replace(new)
+                if op.anchor != anchor or op.hold != hold:  # (a new op only where one changes)
+                    program.replace(attrs.evolve(op, anchor=anchor, hold=hold))
                     changed = True
         return PassResult(changed, stats)
 

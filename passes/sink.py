@@ -78,16 +78,17 @@ def sink_in_order(program: Program, nodes: tuple[str, ...] | list[str], room: He
     after = None
     for name in reversed(nodes):
         nbrs = succ[name]
-        if DATA not in map(itemgetter("kind"), nbrs.values()):  # nobody reads it
+        if DATA not in map(_KIND, nbrs.values()):  # nobody reads it
             # a wait nobody reads (a gather whose result is unused) only stalls the compute where
             # it is: it goes down to the first op an effect edge orders after it (the phase
             # marker, a barrier, a free, the output); anything else stays
             if not (unread and nbrs and isinstance(program.op(name), Wait)):
                 continue
         target = min(nbrs, key=pos)
-        if after is not None and pos(after) < pos(target):
-            target = after
-        if pos(target) > pos(name) + 1:
+        at = pos(target)
+        if after is not None and (later := pos(after)) < at:
+            target, at = after, later
+        if at > pos(name) + 1:
             move = room.later(name, target) if room is not None else None
             if room is None or move is not None:
                 schedule.move_before([name], target)
@@ -96,3 +97,6 @@ def sink_in_order(program: Program, nodes: tuple[str, ...] | list[str], room: He
                     move.take()
         after = name
     return sunk
+
+
+_KIND = itemgetter("kind")
