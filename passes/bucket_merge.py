@@ -103,7 +103,7 @@ def gather_bucket_ops(name: str, first: Launch, wait_op: Wait, sources: list[str
     wait = _wait_op(launch, wait_op)
     grid = View(name=f"{name}_grid", operands=(wait[0].name,), phase=wait_op.phase, target="aten.view.default",
                 types=(TensorType(dtype, (ranks, total)),))
-    return [(pack, Call("aten.cat.default", ([Operand(i) for i in range(len(sources))],))),
+    return [(pack, Call("aten.cat.default", (_operands(len(sources)),))),
             (launch, Call(first.target, (Operand(0), ranks, first.group))),
             wait,
             (grid, Call("aten.view.default", (Operand(0), [ranks, total])))]
@@ -142,7 +142,7 @@ def _merge_reduce_scatters(program: Program, rw: Rewriter, members: list[Member]
     # row r of the pack: every member's chunk for rank r, in member order
     pack = rw.create(_compute(f"{name}_pack", rows, phase, TensorType(dtype, (ranks, total)), "aten.cat.default"),
                      before=last.name,
-                     payload=Call("aten.cat.default", ([Operand(i) for i in range(len(rows))], 1)))
+                     payload=Call("aten.cat.default", (_operands(len(rows)), 1)))
     flat = rw.create(View(name=f"{name}_flat", operands=(pack.name,), phase=phase, target="aten.view.default",
                           types=(TensorType(dtype, (ranks * total,)),)),
                      before=last.name, payload=Call("aten.view.default", (Operand(0), [ranks * total])))
@@ -205,6 +205,19 @@ def flat_source(program: Program, rw: Rewriter, source: str, name: str, phase: P
                    types=(TensorType(t.dtype, (t.numel,)),)),
               before=before, payload=Call("aten.reshape.default", (Operand(0), [t.numel])))
     return name
+
+
+#: Operand(0), Operand(1), ...: frozen, so one of each is shared by every payload (a growing
+#: bucket's trial builds its pack's payload again: one Operand per member each time)
+_OPERAND_CACHE: list[Operand] = []
+
+
+def _operands(n: int) -> list[Operand]:
+    """[Operand(0), ..., Operand(n - 1)] (a new list of shared operands)."""
+    cache = _OPERAND_CACHE
+    if len(cache) < n:
+        cache.extend(Operand(i) for i in range(len(cache), n))
+    return cache[:n]
 
 
 def _compute(name: str, operands: list[str], phase: Phase, type_: TensorType, target: str) -> Compute:
