@@ -117,14 +117,16 @@ def keeps_alive(op, op_of) -> tuple[str, ...]:
 
 
 def simulate(program: Program, model: Any = None, *, costs: Mapping[str, float] | None = None,
-             record: bool = False) -> Simulation:
+             record: bool = False, profile: MemoryProfile | None = None) -> Simulation:
     """Simulate `program.schedule` with `model` (anything `as_cost_model` takes) or given
-    per-op `costs` in ms. `record` keeps per-op events and the memory curve (for timelines)."""
+    per-op `costs` in ms. `record` keeps per-op events and the memory curve (for timelines).
+    `profile`: the schedule's `memory_profile`, where the caller has it (not taken again)."""
     with gc_paused():
-        return _simulate(program, model, costs, record)
+        return _simulate(program, model, costs, record, profile)
 
 
-def _simulate(program: Program, model: Any, costs: Mapping[str, float] | None, record: bool) -> Simulation:
+def _simulate(program: Program, model: Any, costs: Mapping[str, float] | None, record: bool,
+              profile: MemoryProfile | None = None) -> Simulation:
     if costs is None:
         costs = op_costs(program, as_cost_model(model))
     graph = program.graph
@@ -180,7 +182,8 @@ def _simulate(program: Program, model: Any, costs: Mapping[str, float] | None, r
     step = max(t, max(stream_free.values(), default=0.0))
 
     # ---- memory -------------------------------------------------------------------------
-    profile = _memory(order, ops)
+    if profile is None or profile.order != tuple(order):
+        profile = _memory(order, ops)
     alloc = profile.alloc
     memory: list[tuple[float, int]] = []
     if record:

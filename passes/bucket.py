@@ -42,7 +42,7 @@ from ..ir.rewriter import RewriteError
 from .base import ModulePass, PassContext, PassResult, check_budget, check_ms, option, register_pass
 from .bucket_merge import GATHER_OP, REDUCE_SCATTER_OP, WAIT_OP, Member, merge
 from .bucket_trials import Trial, Trials, settle
-from .memory_cap import GIB, cap_bytes, rewrite_cap, rewrite_stats
+from .memory_cap import GIB, MemoryAnalysis, cap_bytes, rewrite_cap, rewrite_stats
 
 
 MIB = 1 << 20
@@ -81,7 +81,8 @@ class Bucket(ModulePass):
     def apply(self, ctx: PassContext, program: Program) -> PassResult:
         analysis = ctx.get(CostAnalysis, program)
         costs = dict(analysis.ms)   # and the new ops', as buckets are made
-        before = simulate(program, costs=costs)
+        profile = ctx.get(MemoryAnalysis, program).profile  # (the program's until a bucket is made)
+        before = simulate(program, costs=costs, profile=profile)
         cap = rewrite_cap(self.max_peak_gb, self.max_peak_increase_gb, before.peak_bytes, cap_bytes(ctx))
         inflight_cap = max(self.max_in_flight_gb * GIB, before.max_inflight_bytes)
         held: dict[str, str] = {}
@@ -92,7 +93,7 @@ class Bucket(ModulePass):
             runs, not_packable = _runs(program, kind)
             held.update(dict.fromkeys(not_packable, NOT_PACKABLE))
             for run in runs:
-                trials = Trials(program, costs, analysis.model)
+                trials = Trials(program, costs, analysis.model, None if bought else profile)
                 start = 0
                 while start < len(run):
                     members, best, end = [run[start]], None, start + 1

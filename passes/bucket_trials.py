@@ -680,12 +680,14 @@ class Trials:
     runs as without it again (cost/simulate.py's Sweep; the runs before are stepped once), and its
     peak is its change to the live-bytes curve in a max tree, so a trial costs what it touches."""
 
-    def __init__(self, program: Program, costs: dict, model):
+    def __init__(self, program: Program, costs: dict, model, profile: MemoryProfile | None = None):
         self.program, self.costs, self.model = program, costs, model
         order = program.schedule.names()
         self.slot = {n: i for i, n in enumerate(order)}
         self.sweep = _SharedBaseSweep(order, steps_of(program, costs))
-        self.profile = profile = memory_profile(program)
+        if profile is None or profile.order != tuple(order):  # (the program's, where the caller has it)
+            profile = memory_profile(program)
+        self.profile = profile
         self.tree = MaxTree.of(list(profile.live))
         self.released = {buf: i for i, bufs in profile.releases.items() for buf in bufs}
         self.kept = keeper_slots(profile, op_getter(program))  # storage -> its keepers' slots

@@ -88,7 +88,7 @@ class Unshard(ModulePass):
 
     def apply(self, ctx: PassContext, program: Program) -> PassResult:
         costs = ctx.get(CostAnalysis, program).ms
-        before = simulate(program, costs=costs)
+        before = simulate(program, costs=costs, profile=ctx.get(MemoryAnalysis, program).profile)
         cap = rewrite_cap(self.max_peak_gb, self.max_peak_increase_gb, before.peak_bytes, cap_bytes(ctx))
         candidates, held = find_candidates(program)
         pos = program.schedule.index

@@ -206,6 +206,19 @@ def test_prefetching_hides_communication_and_costs_memory():
     assert sim_after.lower_bound_ms == pytest.approx(sim_before.lower_bound_ms)   # same work, other order
 
 
+def test_a_given_memory_profile_is_used_only_for_its_own_schedule():
+    """`simulate(..., profile=)` reads the memory figures off the caller's `memory_profile` of the
+    same schedule (as taking it again gives them); one of another order is taken again."""
+    before, after = ir(PREFETCH), ir(PREFETCH)
+    PassManager(REFERENCE_PIPELINE).run(after)
+    model = Roofline()
+    for program in (before, after):
+        assert simulate(program, model, profile=memory_profile(program)) == simulate(program, model)
+    stale = memory_profile(before)
+    assert stale.peak_bytes != simulate(after, model).peak_bytes
+    assert simulate(after, model, profile=stale) == simulate(after, model)
+
+
 def test_constants_cost_nothing_and_live_throughout():
     p = ir("""
         %x = input : f32[4]
