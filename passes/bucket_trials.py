@@ -23,13 +23,15 @@ what decides, the exact run (on until trial and base run the same) decides (`set
 that op a trial does not step the stretch op by op either (`_Walk`): a run of launches on one
 stream is stepped at once (back to back from max(compute time, stream), its ends read off
 prefix sums where asked), and a stretch between two of the trial's own changes that launches
-nothing and waits only on what was launched before the bucket's first slot is a map of the
-compute time, t -> max(t + a, b), made once per bucket (`_SharedBaseSweep._piece`): the
-generated graphs launch a forward's gathers back to back and wait on them one by one, so a
-trial of K members costs about K such maps, not the ~2000 slots (30k generated) from its first
-launch to its last member's wait. What is left: the run of the program as it is (the base) is
-still stepped per bucket over that stretch, and a stretch that launches (the backward's
-reduce-scatters between its re-gathers) is stepped op by op.
+on one stream at most and waits only on what was launched before the bucket's first slot is a
+max-plus map of the state before it, made once per bucket (`_SharedBaseSweep._piece`: the
+compute time max(t + a, b), the stream and each launch's end max(t + alpha, stream + beta,
+gamma), their tails at once): the generated graphs launch a forward's gathers back to back, or
+one per wait, and wait on them one by one, so a trial of K members costs about K such maps, not
+the ~2000 slots (30k generated) from its first launch to its last member's wait. What is left:
+those K maps per trial (a bucket's trials cost K^2 maps, where composing the ones a growing
+bucket shares would cost K); the run of the program as it is (the base) is still stepped per
+bucket over the stretch; a stretch that launches on two streams is stepped op by op.
 """
 
 from __future__ import annotations
@@ -231,12 +233,6 @@ class _SharedBaseSweep(Sweep):
             if kind != OTHER or cost != 0.0:
                 next_busy = i
         self.other_sum, self.launch_sum, self.gathered = other_sum, launch_sum, gathered
-        last_launch, k = [0] * n, -1  # the last launch at or before each slot (-1: none)
-        for i, name in enumerate(order):
-            if steps[name][0] == LAUNCH:
-                k = i
-            last_launch[i] = k
-        self.last_launch = last_launch
         self.other_end, self.launch_end, self.launch_tail = other_end, launch_end, launch_tail
 
     def quick(self, at: int, end: int, skip: set[str], before: dict[str, list]):
@@ -267,12 +263,13 @@ class _SharedBaseSweep(Sweep):
         qb.walk(qb.at_slot, x, (), {}, made)
         slot, order, cur_before = self.slot, self.order, self.before
         trial = _Walk(self, self.clock, at)
-        pieces, last_launch = qb.pieces, self.last_launch
+        pieces, live, launch_end = qb.pieces, self.live, self.launch_end
         lo = at
         for i in sorted({*(slot[n] for n in skip), *(slot[n] for n in before), x}):
-            if lo < i:  # a stretch the change leaves alone: its launches stepped, then the rest at once
-                mid = last_launch[i - 1] + 1
-                if mid > lo:
+            if lo < i:  # a stretch the change leaves alone: a run of launches it opens, then the rest at once
+                j = bisect_left(live, lo)
+                if j < len(live) and live[j] < i and self.steps[order[live[j]]][0] == LAUNCH:
+                    mid = min(launch_end[live[j]], i)
                     trial.walk(lo, mid, (), {}, made)
                     lo = mid
                 if lo < i:
@@ -293,14 +290,18 @@ class _SharedBaseSweep(Sweep):
         return trial.final(x) - qb.final(x), max(high, self.level_after[x])
 
     def _piece(self, lo: int, hi: int):
-        """Slots [lo, hi) of the program as it is, launching nothing, as a map of the compute
-        time (a, b): t -> max(t + a, b), and the collectives in flight it waits (`_Walk.jump`);
-        or False where it waits on a collective
-        launched from the trial's first slot on (or never), or launches one: those are walked.
-        The same for every trial of one bucket: they start from the same clock."""
+        """Slots [lo, hi) of the program as it is, as maps of the state before them (`_Piece`):
+        the compute time t -> max(t + a, b), and where it launches on one stream, that stream's
+        time and each launch's end as max(t + alpha, stream + beta, gamma); or False where it
+        launches on two streams or waits on a collective launched from the trial's first slot
+        on (or never): those are walked. The same for every trial of one bucket: they start
+        from the same clock."""
         live, order, steps, cur_skip, cur_before = self.live, self.order, self.steps, self.skip, self.before
-        shared, pending = self.clock.ends, self.clock.pending
-        a, b, waited = 0.0, -math.inf, []
+        shared, pending, tail_end = self.clock.ends, self.clock.pending, self.tail_end
+        ninf = -math.inf
+        a, b, waited = 0.0, ninf, []
+        stream, fa, fb, fc = None, ninf, 0.0, ninf   # the stream: max(t + fa, stream + fb, fc)
+        launches, level, high = {}, 0, 0
         for j in range(bisect_left(live, lo), len(live)):
             i = live[j]
             if i >= hi:
@@ -314,9 +315,20 @@ class _SharedBaseSweep(Sweep):
                 continue
             else:
                 todo = ((name, steps[name]),)
-            for _, (kind, cost, _, extra) in todo:
-                if kind == LAUNCH:
-                    return False
+            for step_name, (kind, cost, on, extra) in todo:
+                if kind == LAUNCH:  # stream = max(t, stream) + cost
+                    if stream is None:
+                        stream = on
+                    elif on != stream:
+                        return False
+                    fa = (fa if fa > a else a) + cost
+                    fb = fb + cost
+                    fc = (fc if fc > b else b) + cost
+                    launches[step_name] = (fa, fb, fc, extra)
+                    level += extra
+                    if level > high:
+                        high = level
+                    continue
                 if kind == WAIT:
                     e = shared.get(extra)
                     if e is None:
@@ -325,9 +337,15 @@ class _SharedBaseSweep(Sweep):
                         b = e
                     if extra in pending:
                         waited.append(extra)
+                        level -= pending[extra]
                 a += cost
                 b += cost
-        return a, b, tuple(waited)
+        tails = [ninf, ninf, ninf]  # the largest end + tail of its launches (all pending after it)
+        for name, (la, lb, lc, _) in launches.items():
+            e = tail_end.get(name)
+            if e is not None:
+                tails = [max(tails[0], la + e), max(tails[1], lb + e), max(tails[2], lc + e)]
+        return _Piece(a, b, tuple(waited), stream, fa, fb, fc, launches, tuple(tails), high)
 
     def _anchor(self, before) -> None:
         """Slots with new steps before them are stepped, whatever their own op."""
@@ -478,6 +496,26 @@ class _SharedBaseSweep(Sweep):
         return state[i]
 
 
+@attrs.frozen
+class _Piece:
+    """A stretch of the program as it is, as maps of the state before it (`_SharedBaseSweep._piece`):
+    the compute time max(t + a, b); the one stream it launches on (None: none) max(t + fa,
+    stream + fb, fc), and each launch's end (name -> (alpha, beta, gamma, gathered bytes)); its
+    launches' largest end + tail (`tails`, the three terms); the collectives in flight before it
+    that it waits; the highest the gathered bytes in flight rise over it (from 0)."""
+
+    a: float
+    b: float
+    waited: tuple
+    stream: object
+    fa: float
+    fb: float
+    fc: float
+    launches: dict = attrs.field(eq=False)
+    tails: tuple
+    high: int
+
+
 class _Walk:
     """A run of `Clock.step`'s rules over the program as the sweep has it (its skips and steps
     before) and a change (`skip`, `before`), from the sweep's clock at slot `at`: its compute
@@ -487,7 +525,7 @@ class _Walk:
     start plus the run's costs so far, `launch_sum`)."""
 
     __slots__ = ("sweep", "t", "free", "pending", "own", "shared", "runs", "level", "peak", "last", "at",
-                 "at_slot", "pieces")
+                 "at_slot", "pieces", "jumped")
 
     def __init__(self, sweep: _SharedBaseSweep, clock: Clock, at: int):
         self.sweep, self.at, self.at_slot = sweep, at, at
@@ -495,22 +533,34 @@ class _Walk:
         self.free, self.pending, self.own, self.shared, self.runs = dict(clock.free), dict(clock.pending), {}, \
             clock.ends, []
         self.pieces: dict = {}  # (lo, hi) -> `_SharedBaseSweep._piece` of it, for the trials from `at`
+        self.jumped: list = []  # [piece, t before it, its stream before it, its launches since waited]
 
-    def jump(self, piece: tuple) -> None:
-        """Step a `_SharedBaseSweep._piece` at once. The in-flight level only falls over it: its
-        level before it counts as reached (a bound: `Clock` counts it only where a run of equal
-        times ends), and the next level counts whatever its time."""
-        a, b, waited = piece
-        t = self.t + a
-        self.t = b if b > t else t
-        pending, drop = self.pending, 0
-        for n in waited:
-            drop += pending.pop(n, 0)
-        if drop:
-            if self.level > self.peak:
-                self.peak = self.level
-            self.level -= drop
+    def jump(self, piece: _Piece) -> None:
+        """Step a `_Piece` at once. The in-flight level over it is bounded by its level before it
+        plus the most it rises (`Clock` counts a level only where a run of equal times ends), and
+        the next level counts whatever its time; its launches' ends are read where asked
+        (`_wait_in_piece`, `final`)."""
+        t = self.t
+        v = t + piece.a
+        self.t = piece.b if piece.b > v else v
+        if piece.stream is not None:
+            free = self.free
+            f = free.get(piece.stream, 0.0)
+            e = t + piece.fa
+            g = f + piece.fb
+            free[piece.stream] = max(e, g, piece.fc)
+            self.jumped.append([piece, t, f, None])
+        pending, level = self.pending, self.level
+        high = level + piece.high
+        if high > self.peak:
+            self.peak = high
+        for n in piece.waited:
+            level -= pending.pop(n, 0)
+        for _, _, _, extra in piece.launches.values():
+            level += extra
+        if level != self.level or piece.high:
             self.last = math.nan
+        self.level = level
 
     def walk(self, lo: int, hi: int, skip, before, specials: list[int]) -> None:
         """Step slots [lo, hi): `specials` (sorted slots) one op at a time, as `Sweep.trial`
@@ -602,8 +652,10 @@ class _Walk:
                         if done > t:
                             t = done
                         gathered = pending.pop(extra, 0)
-                    elif self.runs:
+                    elif self.runs or self.jumped:
                         done, gathered = self._wait_in_run(extra)
+                        if done is None:
+                            done, gathered = self._wait_in_piece(extra)
                         if done is not None and done > t:
                             t = done
                     else:
@@ -641,6 +693,23 @@ class _Walk:
                 return done, sweep.steps[launch][3]
         return None, 0
 
+    def _wait_in_piece(self, launch: str) -> tuple:
+        """(end, gathered bytes still in flight) of `launch` where a jumped piece launched it,
+        else (None, 0)."""
+        for entry in self.jumped:
+            piece, t, f, waited = entry
+            got = piece.launches.get(launch)
+            if got is None:
+                continue
+            if waited is None:
+                waited = entry[3] = set()
+            done = max(t + got[0], f + got[1], got[2])
+            if launch in waited:
+                return done, 0
+            waited.add(launch)
+            return done, got[3]
+        return None, 0
+
     def final(self, x: int) -> float:
         """The step of the program from this state just before slot x on, by the tails."""
         sweep = self.sweep
@@ -661,6 +730,21 @@ class _Walk:
                 if e is None or sweep.steps[order[k]][0] != LAUNCH:
                     continue
                 e += begin + (launch_sum[k + 1] - launch_sum[first])
+                if e > step:
+                    step = e
+        tail_end = sweep.tail_end
+        for piece, t, f, waited in self.jumped:
+            if waited is None:
+                ta, tb, tc = piece.tails
+                e = max(t + ta, f + tb, tc)
+                if e > step:
+                    step = e
+                continue
+            for name, (la, lb, lc, _) in piece.launches.items():
+                e = tail_end.get(name)
+                if e is None or name in waited:
+                    continue
+                e += max(t + la, f + lb, lc)
                 if e > step:
                     step = e
         return step

@@ -537,3 +537,20 @@ def test_a_quick_trials_launch_run_stops_at_its_own_skipped_launch():
                                                "wb": [("wB", (WAIT, 0.0, None, "B"))]})
     got, want = fast.quick(*change), plain.trial(*change)
     assert got is not None and got[0] == pytest.approx(want[0], abs=1e-12) and want[0] < 0
+
+
+def test_a_quick_trials_jump_launches_after_a_wait_on_what_was_in_flight():
+    """A stretch jumped at once (`_Piece`) that waits on a collective in flight before the trial
+    and then launches on another stream: that launch starts when the wait ends (not when the
+    stretch starts), and its end, read off the tails after the trial, decides the step."""
+    from fxsched.cost.simulate import LAUNCH, OTHER, WAIT, Sweep
+    from fxsched.passes.bucket_trials import _SharedBaseSweep
+    order = ["a", "m", "wa", "c", "wm", "x1", "wc", "y"]
+    steps = {"a": (LAUNCH, 5.0, "comm:0", 0), "m": (LAUNCH, 1.0, "comm:0", 0), "wa": (WAIT, 0.0, None, "a"),
+             "c": (LAUNCH, 1.0, "comm:1", 0), "wm": (WAIT, 0.0, None, "m"), "x1": (OTHER, 0.0, None, None),
+             "wc": (WAIT, 0.0, None, "c"), "y": (OTHER, 10.0, None, None)}
+    fast, plain = _SharedBaseSweep(order, steps), Sweep(order, steps)
+    change = (1, 4, {"m", "wm"}, {"m": [("B", (LAUNCH, 0.5, "comm:0", 0))], "wm": [("wB", (WAIT, 0.0, None, "B"))]})
+    got, want = fast.quick(*change), plain.trial(*change)
+    assert got is not None and got[0] == pytest.approx(want[0], abs=1e-12)
+    assert fast.quick_base.final(5) == pytest.approx(16.0)  # c ends at 6, then 10 ms of compute
