@@ -10,7 +10,7 @@ identity of `meta["val"]`, IR operands — not by asking the IR's effect edges:
 - no movable node changed its barrier segment or its phase;
 - every reader of a freed storage precedes the free; a parameter's gathers and frees keep
   their order (a re-gather follows its free);
-- non-FSDP collectives and random ops keep their relative order;
+- non-FSDP collectives keep their relative order, and random ops theirs;
 - early bytes in flight (each gather launched early, from its launch to its first consumer)
   never exceed the budget, and an early gather has a known size;
 - a second run moves nothing to another place: every launch chain and realization node stays
@@ -336,11 +336,12 @@ def check_fx_schedule(original: fx.GraphModule, scheduled: fx.GraphModule, limit
 
     assert lifetimes(before) == lifetimes(after), "a parameter's gathers and frees changed order"
 
-    # non-FSDP collectives and random ops keep their relative order
-    def fixed_order(facts: FxFacts) -> list[str]:
-        return [n.name for n in facts.nodes
-                if (_collective(n) and not _wait(n) and not _gather(n))
-                or (isinstance(n.target, torch._ops.OpOverload) and torch.Tag.nondeterministic_seeded in n.target.tags)]
+    # non-FSDP collectives keep their order, and random ops theirs (they share the generator);
+    # one against the other is free: a collective does not touch the RNG
+    def fixed_order(facts: FxFacts) -> tuple[list[str], list[str]]:
+        return ([n.name for n in facts.nodes if _collective(n) and not _wait(n) and not _gather(n)],
+                [n.name for n in facts.nodes
+                 if isinstance(n.target, torch._ops.OpOverload) and torch.Tag.nondeterministic_seeded in n.target.tags])
 
     assert fixed_order(before) == fixed_order(after), "collectives or random ops changed their order"
     if compute_moves:
@@ -769,9 +770,9 @@ def check_ir_schedule(before_program, after_program, limit: int | None, *, compu
 
     assert lifetimes(before) == lifetimes(after), "a parameter's gathers and frees changed order"
 
-    def ordered(facts):
-        return [n for n in facts.order if (isinstance(facts.ops[n], Launch) and not facts.ops[n].is_gather)
-                or (isinstance(facts.ops[n], Compute) and facts.ops[n].random)]
+    def ordered(facts):  # each kind among itself (as check_fx_schedule's fixed_order)
+        return ([n for n in facts.order if isinstance(facts.ops[n], Launch) and not facts.ops[n].is_gather],
+                [n for n in facts.order if isinstance(facts.ops[n], Compute) and facts.ops[n].random])
 
     assert ordered(before) == ordered(after), "collectives or random ops changed their order"
     if compute_moves:
