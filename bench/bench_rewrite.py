@@ -12,6 +12,17 @@ it made. Generated graphs come from
 front/generate.py (as bench/bench_pipeline.py's); `--models` adds the built-in models (2 layers,
 widths 32 and 1024, world 2). `--profile PASS` prints a cProfile of that pass at each size.
 Goal (issue 17): each rewriting pass <= ~20% of the default pipeline's time at 100k nodes.
+
+Last runs (generated 10k / 30k / 100k, one run each, ratio = pass CPU / default CPU in the same
+process; 2 cores shared with 3 other processes, load ~6; same schedule hashes in both):
+  before the quick trial's walk (8aa6a58, 2026-12-03 21:55-22:50 UTC):
+    bucket 1.43 / 9.21 / 98.6 s = 5.8x / 11.0x / 28.7x; unshard 0.28 / 1.20 / 4.79 s = 1.1x / 1.4x / 1.4x
+  after it (ce33676, 2026-12-03 23:08-23:13 UTC, with another benchmark running):
+    bucket 1.25 / 10.4 / 77.2 s = 6.0x / 9.4x / 26.7x; unshard 0.25 / 1.07 / 3.69 s = 1.2x / 1.0x / 1.3x
+  (bucket alone on ce33676 at 22:59 UTC, nothing else of ours running: 0.95 / 5.76 s = 5.9x / 8.6x.)
+At 100k, 30 of bucket's 45 s are its quick trials (timed per call): the run of the program as it
+is, walked again from each bucket's first slot (3606 first slots for 707 buckets: most grow no
+further than their first member), and the K jumps of each trial of a K-member bucket.
 """
 
 from __future__ import annotations

@@ -116,6 +116,7 @@ class _SharedBaseSweep(Sweep):
         self.live_names = {order[i] for i in self.live}
         self.base = None   # the shared run: its first slot and state (see `_base`)
         self.quick_base = None  # the quick trials' run of the base (see `quick`)
+        self.base_step = None   # the step of the program as it is, by the tails (see `quick`)
         self.slot = {n: i for i, n in enumerate(order)}
         self.dirty = -1    # the last slot a made change touched: the tails hold after it
         self.made: list[int] = []  # the slots a made change skips or puts steps before, in order
@@ -124,7 +125,7 @@ class _SharedBaseSweep(Sweep):
 
     def make(self, skip: set[str], before: dict[str, list]) -> None:
         super().make(skip, before)
-        self.base = self.quick_base = None
+        self.base = self.quick_base = self.base_step = None
         self._anchor(before)
         slot = self.slot
         self.dirty = max(self.dirty, *(slot[n] for n in skip), *(slot[n] for n in before))
@@ -258,9 +259,15 @@ class _SharedBaseSweep(Sweep):
         qb = self.quick_base
         if qb is None or qb.at != at:
             qb = self.quick_base = _Walk(self, self.clock, at)
-        if qb.at_slot > x:  # the base ran past this trial's end (an earlier, longer trial)
-            return None
-        qb.walk(qb.at_slot, x, (), {}, made)
+        base_step = self.base_step
+        if base_step is None:
+            # the program as it is, run to x and read off the tails there: its step, whatever x
+            # and the first slot (x past the last change made), so once between two makes (up
+            # to rounding), not per bucket (most grow no further than their first member)
+            if qb.at_slot > x:  # the base ran past this trial's end (an earlier, longer trial)
+                return None
+            qb.walk(qb.at_slot, x, (), {}, made)
+            base_step = self.base_step = qb.final(x)
         slot, order, cur_before = self.slot, self.order, self.before
         trial = _Walk(self, self.clock, at)
         pieces, live, launch_end = qb.pieces, self.live, self.launch_end
@@ -287,7 +294,7 @@ class _SharedBaseSweep(Sweep):
                 trial.walk(i, i + 1, skip, before, [i])
             lo = i + 1
         high = trial.peak if trial.peak > trial.level else trial.level
-        return trial.final(x) - qb.final(x), max(high, self.level_after[x])
+        return trial.final(x) - base_step, max(high, self.level_after[x])
 
     def _piece(self, lo: int, hi: int):
         """Slots [lo, hi) of the program as it is, as maps of the state before them (`_Piece`):

@@ -553,4 +553,4 @@ def test_a_quick_trials_jump_launches_after_a_wait_on_what_was_in_flight():
     change = (1, 4, {"m", "wm"}, {"m": [("B", (LAUNCH, 0.5, "comm:0", 0))], "wm": [("wB", (WAIT, 0.0, None, "B"))]})
     got, want = fast.quick(*change), plain.trial(*change)
     assert got is not None and got[0] == pytest.approx(want[0], abs=1e-12)
-    assert fast.quick_base.final(5) == pytest.approx(16.0)  # c ends at 6, then 10 ms of compute
+    assert fast.base_step == pytest.approx(16.0)  # c ends at 6, then 10 ms of compute
