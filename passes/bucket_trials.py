@@ -30,8 +30,10 @@ gamma), their tails at once): the generated graphs launch a forward's gathers ba
 one per wait, and wait on them one by one, so a trial of K members costs about K such maps, not
 the ~2000 slots (30k generated) from its first launch to its last member's wait. What is left:
 those K maps per trial (a bucket's trials cost K^2 maps, where composing the ones a growing
-bucket shares would cost K); the run of the program as it is (the base) is still stepped per
-bucket over the stretch; a stretch that launches on two streams is stepped op by op.
+bucket shares would cost K); the program's own step, which a trial's is measured against, is
+still walked once per bucket made, from its first slot to its trial's end (the step does not
+depend on where it is read, so once between two makes); a stretch that launches on two streams
+is stepped op by op.
 """
 
 from __future__ import annotations
