@@ -17,11 +17,11 @@ Last runs (generated 10k / 30k / 100k, one run each, ratio = pass CPU / default 
 process; 2 cores shared with 3 other sessions, load ~6; the same schedule hashes in both):
   before the quick trial's walk (8aa6a58, 2026-12-03 21:55-22:50 UTC):
     bucket 1.43 / 9.21 / 98.6 s = 5.8x / 11.0x / 28.7x; unshard 0.28 / 1.20 / 4.79 s = 1.1x / 1.4x / 1.4x
-  after it (1842cc0, 2026-12-03 23:18-23:24 UTC, with an IR-hash check and tests of ours running):
+  after it (1842cc0 = f9c653e on main, 2026-12-03 23:18-23:24 UTC, with an IR-hash check and tests of ours running):
     bucket 1.33 / 6.90 / 49.0 s = 3.5x / 6.7x / 15.3x; unshard 0.30 / 1.01 / 3.42 s = 0.8x / 1.0x / 1.1x
     (default 0.38 / 1.03 / 3.21 s: the 10k row's default ran slow; bucket alone at 10k, 22:59 UTC: 5.9x)
   bucket + unshard at 100k: 16.4x the default's CPU (the switch rule asks <= ~2x).
-At 100k, before the base's step was taken once per make (1842cc0), 30 of bucket's 45 s were its
+At 100k, before the base's step was taken once per make (f9c653e), 30 of bucket's 45 s were its
 quick trials, half of that the base walked again from each bucket's first slot (3606 first slots
 for 707 buckets); what is left there: the K jumps of each trial of a K-member bucket (K^2 per
 bucket), the trials' plans and checks, the merges and each run's setup (memory profile, tails).
