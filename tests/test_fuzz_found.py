@@ -154,3 +154,38 @@ def test_unshard_leaves_a_rewired_reader_its_phase_edge():
     program = parse_program(REWIRED_TO_THE_FORWARD)
     PassManager("unshard").run(program)
     assert "^backward" in program.predecessors["v"]
+
+
+# the same rewired view, feeding a reduce-scatter: gradients-first's window for it reached back
+# over ^backward into the forward and moved %v (an ancestor) ahead of the forward's tail
+REWIRED_FEEDS_A_REDUCE_SCATTER = """\
+%x = input "x"
+%s0 = input "shard0"
+%s1 = input "shard1"
+%g0 = launch "all_gather"(%s0) {role = fsdp_all_gather, params = ["p0"]}
+%w0 = wait(%g0)
+%m0 = compute "aten.mm"(%x, %w0)
+%g1 = launch "all_gather"(%s1) {role = fsdp_all_gather, params = ["p1"]}
+%w1 = wait(%g1)
+%m2 = compute "aten.mm"(%m0, %w1) {heavy}
+^backward
+%m1 = compute "aten.mm"(%m2, %m2) {heavy}
+%f0 = free "release"(%w0) {params = ["p0"]}
+%rg0 = launch "all_gather"(%s0) {role = fsdp_all_gather_backward, params = ["p0"]}
+%rw0 = wait(%rg0)
+%v = view "aten.view"(%rw0)
+%c = compute "aten.mul"(%v, %v)
+%rs = launch "reduce_scatter"(%c) {role = fsdp_reduce_scatter}
+%rsw = wait(%rs)
+%output = output(%m1, %rsw)
+"""
+
+
+@pytest.mark.parametrize("pipeline", ["unshard,gradients-first", "unshard,gradients-first,fill-waits"])
+def test_gradients_first_windows_end_at_backward_after_unshard(pipeline):
+    program = parse_program(REWIRED_FEEDS_A_REDUCE_SCATTER)
+    result = PassManager(pipeline).run(program, PassContext(cost_model=lambda op: 1.0))
+    assert result.stats()["unshard"]["unsharded"] == 1
+    verify(program)
+    order = program.schedule.names()
+    assert order.index("^backward") < order.index("v") < order.index("c") < order.index("rs")
