@@ -336,6 +336,9 @@ class Program:
     notes: list[str] = attrs.field(factory=list)
     payload: dict[str, Any] = attrs.field(factory=dict)
     origin: Any = None
+    # anchor -> the launches anchored at it, made on first use (`anchored_at`), kept by `add`
+    # and `replace`; an entry whose launch was removed or re-anchored since is skipped on read
+    _anchored: dict[str, set[str]] | None = attrs.field(default=None, init=False, repr=False)
 
     # ---- construction -------------------------------------------------------------
     def add(self, op: Op) -> Op:
@@ -360,6 +363,8 @@ class Program:
                 succ[name] = {}
                 into = pred[name] = {}
                 node[name] = {"op": op}
+                if self._anchored is not None and getattr(op, "anchor", None) is not None:
+                    self._anchored.setdefault(op.anchor, set()).add(name)
                 for operand in op.operands:
                     if operand not in succ:
                         raise ValueError(f"%{name} uses %{operand}, which is not defined")
@@ -397,6 +402,19 @@ class Program:
         if old.operands != op.operands:
             raise ValueError(f"replace(%{op.name}) may not change operands")
         self.graph.nodes[op.name]["op"] = op
+        if self._anchored is not None and getattr(op, "anchor", None) is not None:
+            self._anchored.setdefault(op.anchor, set()).add(op.name)
+
+    def anchored_at(self, name: str) -> list[str]:
+        """The launches whose anchor is `name`, sorted by name (an index made once, then kept)."""
+        if self._anchored is None:
+            self._anchored = {}
+            for node_name, data in self.graph._node.items():
+                anchor = getattr(data["op"], "anchor", None)
+                if anchor is not None:
+                    self._anchored.setdefault(anchor, set()).add(node_name)
+        node = self.graph._node
+        return sorted(n for n in self._anchored.get(name, ()) if n in node and getattr(node[n]["op"], "anchor", None) == name)
 
     def users(self, name: str) -> list[str]:
         """Data users of `name`, in schedule order."""

@@ -11,10 +11,13 @@ write and to check as a reorder-only one:
 - `replace_uses(old, new)`: every data use of `old` reads `new` instead, ordered against the
   other accesses of `new`'s storage as ir/effects.py would have derived (a use that frees or
   writes it after every earlier reader, a read before any later free or write; a launch's
-  read lasts until its wait), so nothing can move past it later;
+  read lasts until its wait), so nothing can move past it later; each user gets the phase,
+  barrier and entry edges of its place, as a created op does (a backward view moved onto the
+  forward replica by `unshard` lost its path from `^backward` with its old operand);
 - `erase(name)`: remove an op no one reads; every predecessor of it (data or effect) is
   ordered before every successor by an effect edge, so whatever the erased op ordered stays
-  ordered (an erased free's readers stay ahead of the gather that followed it).
+  ordered (an erased free's readers stay ahead of the gather that followed it); a launch
+  anchored at it is anchored at the op after it.
 
 A pass that replaces ops by new ones (a bucket for several gathers) also has:
 
@@ -132,6 +135,8 @@ class Rewriter:
         scheduled: a forward op precedes `^backward`, a backward op follows it (RewriteError if
         its slot is on the other side); the barriers before and after its slot bound it; it
         follows `^entry` if it reads nothing but inputs."""
+        if not op.MOVABLE:  # inputs, markers, the output, barriers, opaque ops: never moved
+            return []
         program = self.program
         graph, name, pos = program.graph, op.name, program.schedule.index
         edges = []
@@ -234,6 +239,11 @@ class Rewriter:
             raise
         for before, after, why in edges:
             program.add_effect(before, after, why)
+        # a user that read a backward value may now read only forward ones: it keeps the rules
+        # of its place (^backward, its barriers) by edges of its own, as a created op gets them
+        for user in users:
+            for before, after, why in self._boundary_order(program.op(user)):
+                program.add_effect(before, after, why)
         self.replaced += len(users)
         return users
 
@@ -288,6 +298,12 @@ class Rewriter:
             raise RewriteError(f"erase(%{name}): still read by " + ", ".join(f"%{u}" for u in users))
         preds = [(p, e) for p, e in graph.pred[name].items()]
         succs = list(graph.succ[name])
+        # a launch anchored at it now launches before what follows it (the node it still precedes)
+        anchored = [op for op in map(program.op, program.anchored_at(name)) if op.name != name]
+        if anchored:
+            follower = program.schedule[program.schedule.index(name) + 1]
+            for op in anchored:
+                program.replace(attrs.evolve(op, anchor=follower))
         for p, e in preds:
             # the rule the edge into the erased op kept, so a broken bridge names it
             why = e["why"] if e["kind"] == EFFECT else f"through erased %{name}"

@@ -251,6 +251,7 @@ def find_candidates(program: Program) -> tuple[list[Candidate], dict[str, str]]:
             replica_frees.setdefault(storage_root(program, op.operands[0], roots), []).append(op.name)
         written.update(storage_root(program, w, roots) for w in getattr(op, "writes", ()))
     candidates, held = [], {}
+    claimed: set[str] = set()  # forward frees a candidate erases
 
     def wait_of(launch: str) -> str | None:
         waits = [u for u, e in succ[launch].items() if e["kind"] == DATA and isinstance(node[u]["op"], Wait)]
@@ -273,8 +274,8 @@ def find_candidates(program: Program) -> tuple[list[Candidate], dict[str, str]]:
             held[regather.name] = NO_FORWARD_REPLICA
             continue
         frees = replica_frees.get(forward_wait, ())
-        if len(frees) != 1 or not pos(forward_wait) < pos(frees[0]) < at:
-            held[regather.name] = NO_FORWARD_REPLICA
+        if len(frees) != 1 or not pos(forward_wait) < pos(frees[0]) < at or frees[0] in claimed:
+            held[regather.name] = NO_FORWARD_REPLICA  # (a replica serves the first re-gather after its free)
             continue
         if storage_root(program, source[0], roots) in written:
             held[regather.name] = SHARD_WRITTEN
@@ -285,6 +286,7 @@ def find_candidates(program: Program) -> tuple[list[Candidate], dict[str, str]]:
         cast = regather.operands[0] if isinstance(node[regather.operands[0]]["op"], Cast) else None
         if cast is not None and [u for u, e in succ[cast].items() if e["kind"] == DATA] != [regather.name]:
             cast = None  # someone else reads it: it stays
+        claimed.add(frees[0])
         candidates.append(Candidate(param, regather.name, regather_wait, cast, forward_wait, frees[0],
                                     node[forward_wait]["op"].nbytes_out or regather.nbytes or 0))
     return candidates, held

@@ -1,9 +1,10 @@
 """Cases found by fuzzing random pipelines (any registered pass, any order, repeated, tiny
 budgets and caps, several cost models) on generated graphs, built-in models and IR programs.
 
-Each is the smallest program found that shows it. The `unshard` and `bucket` cases are
-known bugs of those passes (strict xfails: whoever fixes one removes its mark); the oracle case is a wrong rule
-of the property tests' checker, fixed there.
+Each is the smallest program found that shows it, fixed where it was wrong: the `unshard` and
+`bucket` cases in passes/unshard.py (one re-gather per forward replica) and ir/rewriter.py (a
+launch anchored at an erased op is anchored at the op after it; a rewired user keeps the edges
+of its place); the oracle case in the property tests' checker.
 """
 
 from __future__ import annotations
@@ -89,7 +90,7 @@ TWO_REGATHERS_AFTER_ONE_FREE = """\
 """
 
 
-@pytest.mark.xfail(strict=True, raises=PassFailure, reason="unshard: known bug, reported (passes/unshard.py is not this change's)")
+
 @pytest.mark.parametrize("text", [ANCHORED_AT_AN_ERASED_FREE, TWO_REGATHERS_AFTER_ONE_FREE],
                          ids=["anchored at an erased free", "two re-gathers after one free"])
 def test_unshard_leaves_a_valid_program(text):
@@ -106,8 +107,7 @@ def _hashed_ms(op) -> float:
     return (h % 1000) / 100.0 if h % 3 else 0.0
 
 
-@pytest.mark.xfail(strict=True, raises=PassFailure, reason="bucket: erases a reduce-scatter's wait that hide made a gather's anchor; "
-                                       "known bug, reported (ir/rewriter.py / passes/bucket*.py are not this change's)")
+
 def test_bucket_leaves_no_anchor_on_an_op_it_erases():
     module, inputs, loss = build_model("encoder", layers=1, width=32, seed=13, batch=2)
     front = fsdp_joint_graph(module, inputs, lambda m, *xs: loss(m(*xs), *xs), 2, buckets="per-module")
@@ -148,8 +148,6 @@ def test_fill_waits_takes_nothing_across_backward_after_unshard():
     assert order.index("^backward") < order.index("v")
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason="unshard/rewriter: a rewired op keeps no phase edge; "
-                                                              "known bug, reported (not this change's files)")
 def test_unshard_leaves_a_rewired_reader_its_phase_edge():
     program = parse_program(REWIRED_TO_THE_FORWARD)
     PassManager("unshard").run(program)
