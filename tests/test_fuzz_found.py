@@ -19,7 +19,6 @@ from fxsched.ir import parse_program, verify
 from fxsched.models import build_model
 from fxsched.passes import PassManager
 from fxsched.passes.base import PassContext
-from fxsched.passes.manager import PassFailure
 
 from test_properties import check_ir_schedule
 
