@@ -339,6 +339,9 @@ class Program:
     # anchor -> the launches anchored at it, made on first use (`anchored_at`), kept by `add`
     # and `replace`; an entry whose launch was removed or re-anchored since is skipped on read
     _anchored: dict[str, set[str]] | None = attrs.field(default=None, init=False, repr=False)
+    # the barriers in schedule order, found on first use (`barriers`): barriers never move, and
+    # adding one drops the list
+    _barriers: list[str] | None = attrs.field(default=None, init=False, repr=False)
 
     # ---- construction -------------------------------------------------------------
     def add(self, op: Op) -> Op:
@@ -365,6 +368,8 @@ class Program:
                 node[name] = {"op": op}
                 if self._anchored is not None and getattr(op, "anchor", None) is not None:
                     self._anchored.setdefault(op.anchor, set()).add(name)
+                if op.KIND == "barrier":
+                    self._barriers = None
                 for operand in op.operands:
                     if operand not in succ:
                         raise ValueError(f"%{name} uses %{operand}, which is not defined")
@@ -404,6 +409,14 @@ class Program:
         self.graph.nodes[op.name]["op"] = op
         if self._anchored is not None and getattr(op, "anchor", None) is not None:
             self._anchored.setdefault(op.anchor, set()).add(op.name)
+
+    def barriers(self) -> list[str]:
+        """The barriers in schedule order (found once: they never move; the rewriter neither
+        creates nor erases one, and `add` of one finds them again)."""
+        if self._barriers is None:
+            node = self.graph._node
+            self._barriers = [n for n in self.schedule.names() if node[n]["op"].KIND == "barrier"]
+        return self._barriers
 
     def anchored_at(self, name: str) -> list[str]:
         """The launches whose anchor is `name`, sorted by name (an index made once, then kept)."""

@@ -46,12 +46,11 @@ takes a rewriter of its own).
 from __future__ import annotations
 
 from bisect import bisect
-from weakref import WeakKeyDictionary
 
 import attrs
 
 from .effects import BACKWARD, ENTRY, storage_readers, storage_root
-from .ops import Barrier, Free, Input, Launch, Op, Phase, Wait
+from .ops import Free, Input, Launch, Op, Phase, Wait
 from .program import DATA, EFFECT, Program
 from .waits import waits_of
 
@@ -146,7 +145,7 @@ class Rewriter:
                 raise RewriteError(f"create(%{name}): a {op.phase.name.lower()} op scheduled "
                                    f"{'before' if backward else 'after'} {BACKWARD}")
             edges.append((BACKWARD, name, "phase") if backward else (name, BACKWARD, "phase"))
-        barriers = _barriers(program)
+        barriers = program.barriers()
         if barriers:
             at = bisect(barriers, pos(name), key=pos)
             if at:
@@ -314,20 +313,6 @@ class Rewriter:
         program.payload.pop(name, None)
         self._writer_cache.clear()  # it may have been a writer, or read through an alias of one
         self.erased += 1
-
-
-_BARRIERS: WeakKeyDictionary[Program, list[str]] = WeakKeyDictionary()
-
-
-def _barriers(program: Program) -> list[str]:
-    """The program's barriers in schedule order, found once per program: barriers never move,
-    and the rewriter neither creates nor erases one, so the list holds while a program changes
-    through rewriters (a bucket pass makes one per bucket: a walk per rewriter would be O(N) each)."""
-    found = _BARRIERS.get(program)
-    if found is None:
-        node = program.node_data
-        found = _BARRIERS[program] = [n for n in program.schedule.names() if isinstance(node[n]["op"], Barrier)]
-    return found
 
 
 def _writes(program: Program, name: str, root: str) -> bool:
