@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import operator
 from operator import attrgetter
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import torch
@@ -158,17 +159,16 @@ def _subgraphs(gm: fx.GraphModule, node: fx.Node) -> list[fx.GraphModule]:
     return found
 
 
-def _graph_draws(gm: fx.GraphModule, targets: dict) -> bool:
-    """Whether any call in `gm`, or in a subgraph of one, draws from the RNG."""
+def _graph_draws(gm: fx.GraphModule, target: Callable[[fx.Node], _Target]) -> bool:
+    """Whether any call in `gm`, or in a subgraph of one, draws from the RNG (`target`: the
+    lowering's classification of a call, cached per target)."""
     for node in gm.graph.nodes:
         if node.op == "call_module":
             if _random_module(gm.get_submodule(node.target)):
                 return True
         elif node.op in ("call_function", "call_method"):
-            key = (node.op, id(node.target))
-            info = targets.get(key) or targets.setdefault(key, _classify(node.op, node.target))
-            if info.random or (isinstance(node.target, torch._ops.HigherOrderOperator)
-                               and any(_graph_draws(sub, targets) for sub in _subgraphs(gm, node))):
+            if target(node).random or (isinstance(node.target, torch._ops.HigherOrderOperator)
+                                       and any(_graph_draws(sub, target) for sub in _subgraphs(gm, node))):
                 return True
     return False
 
@@ -338,7 +338,7 @@ class _Lowering:
     def draws_inside(self, node: fx.Node) -> bool:
         """A higher-order op whose subgraph (`invoke_subgraph`, `cond`, ...: a GraphModule it is
         given) draws from the RNG, at any depth: it is random as its random ops are."""
-        return any(_graph_draws(sub, self.targets) for sub in _subgraphs(self.gm, node))
+        return any(_graph_draws(sub, self.target) for sub in _subgraphs(self.gm, node))
 
     def impure(self, node: fx.Node) -> bool:
         """`node.is_impure(impure_random=False)`, once per target: it reads the target (a
