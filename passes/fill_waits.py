@@ -5,7 +5,7 @@ The scheduling passes place communication around a fixed order of compute; where
 exposed (the first gather of a graph, which nothing is before; a gradient's reduce-scatter at the
 end of a layer), the ops after it that do not depend on it may run in its idle time. For each wait
 the simulator (the cost model's times) finds exposed, in schedule order, this pass scans the ops
-after it (at most `max-scan`, never past a barrier or ^backward) and takes each op whose predecessors (data
+after it (at most `max-scan`, never past a barrier) and takes each op whose predecessors (data
 and effect edges) all sit before the wait or were taken already — never a launch, a wait or an op
 after a barrier — while what it took costs no more than the exposure: the compute stream then
 reaches the wait's next op no later than before. The exposures are read once, off the order the
@@ -21,11 +21,10 @@ do not fit (`over peak cap`). Run it last, after the passes that place communica
 from __future__ import annotations
 
 import dataclasses
-from operator import itemgetter
 
 from ..cost.model import CostAnalysis
 from ..cost.simulate import simulate
-from ..ir import BACKWARD, Barrier, Input, Launch, Marker, Opaque, Output, Program, Wait, waits_of
+from ..ir import Barrier, Input, Launch, Marker, Opaque, Output, Program, Wait, waits_of
 from .base import ModulePass, PassContext, PassResult, option, register_pass
 from .gathers import GatherAnalysis
 from .memory_cap import OVER_PEAK_CAP, headroom
@@ -93,10 +92,8 @@ class FillWaits(ModulePass):
         for i in range(at + 1, end):
             name = schedule[i]
             op = node[name]["op"]
-            if isinstance(op, Barrier) or (isinstance(op, Marker) and name == BACKWARD):
-                # nothing after a barrier is ready before it; nothing after ^backward may run
-                # before it (the phase rule), whatever edges an op rewired by unshard was left with
-                break
+            if isinstance(op, Barrier):
+                break  # nothing after it is ready before it
             if isinstance(op, _STAYS):
                 continue
             cost = ms.get(name, 0.0)

@@ -9,8 +9,7 @@ trace computes last, every later one queues behind it at the end of the layer, e
 generated graphs, before each barrier, which nothing crosses). This pass reorders compute:
 walking the reduce-scatter launches in order, it moves the ops between the previous one (or the
 last barrier) and this launch that the launch depends on (its ancestors over data and effect
-edges) ahead of those it does not, keeping the order within each group (a window never reaches
-back past ^backward). Legal by construction:
+edges) ahead of those it does not, keeping the order within each group. Legal by construction:
 an ancestor's own predecessors are ancestors too (moved with it, in order) or sit before the
 window; what moves later loses no predecessor. It adds nothing and removes nothing.
 
@@ -30,7 +29,7 @@ from operator import itemgetter
 
 from ..cost.model import CostAnalysis
 from ..cost.simulate import memory_profile
-from ..ir import BACKWARD, Barrier, Launch, Program, Role
+from ..ir import Barrier, Launch, Program, Role
 from .base import ModulePass, PassContext, PassResult, register_pass
 from .gathers import GatherAnalysis
 from .memory_cap import OVER_PEAK_CAP
@@ -83,12 +82,9 @@ def _first(program: Program, stop: str, ms) -> int:
         return 0
     end = schedule.index(stop)
     begin = end - 1
-    while begin >= 0:  # back to the previous stop, or ^backward: nothing after it may run before it
-        # (the phase rule; the edges say so too, but an op unshard rewired to the forward replica
-        # is left without its ^backward edge, and its window would take it into the forward)
+    while begin >= 0:  # back to the previous stop
         op = node[schedule[begin]]["op"]
-        if (isinstance(op, Launch) and op.role is Role.REDUCE_SCATTER) or isinstance(op, Barrier) \
-                or schedule[begin] == BACKWARD:
+        if (isinstance(op, Launch) and op.role is Role.REDUCE_SCATTER) or isinstance(op, Barrier):
             break
         begin -= 1
     window = [schedule[i] for i in range(begin + 1, end)]

@@ -114,9 +114,10 @@ def test_bucket_leaves_no_anchor_on_an_op_it_erases():
 
 
 # unshard points the re-gather's readers (here the view %v) at the forward replica %w0, and the
-# view keeps only that data edge: not the ^backward phase edge effects.py's rules give an op of
+# view kept only that data edge: not the ^backward phase edge effects.py's rules give an op of
 # the backward that reads only the forward (a reparse of the text adds it). fill-waits, filling
-# the exposed wait of %g1 at the forward's end, then took %v into the forward.
+# the exposed wait of %g1 at the forward's end, then took %v into the forward. The rewriter now
+# gives a rewired user the edges of its place; the passes move what the edges allow.
 REWIRED_TO_THE_FORWARD = """\
 %x = input "x"
 %s0 = input "shard0"
@@ -137,8 +138,8 @@ REWIRED_TO_THE_FORWARD = """\
 
 
 def test_fill_waits_takes_nothing_across_backward_after_unshard():
-    """fill-waits stops its scan at ^backward, as at a barrier (found under a cost model
-    pricing every op 1 ms: 'unshard,fill-waits' left %w1 after the backward's %v)."""
+    """Found under a cost model pricing every op 1 ms: 'unshard,fill-waits' left %w1 after the
+    backward's %v (the rewired view had no edge from ^backward)."""
     program = parse_program(REWIRED_TO_THE_FORWARD)
     result = PassManager("unshard,fill-waits").run(program, PassContext(cost_model=lambda op: 1.0))
     assert result.stats()["unshard"]["unsharded"] == 1  # the case: %v reads the replica now
@@ -154,7 +155,8 @@ def test_unshard_leaves_a_rewired_reader_its_phase_edge():
 
 
 # the same rewired view, feeding a reduce-scatter: gradients-first's window for it reached back
-# over ^backward into the forward and moved %v (an ancestor) ahead of the forward's tail
+# over ^backward into the forward and moved %v (an ancestor, not ^backward's descendant without
+# its phase edge) ahead of the forward's tail
 REWIRED_FEEDS_A_REDUCE_SCATTER = """\
 %x = input "x"
 %s0 = input "shard0"
