@@ -107,6 +107,48 @@ def test_same_schedule_under_different_hash_seeds():
     assert moving["gradients-first"]["moved"] and moving["fill-waits"]["moved"]
 
 
+def _with_tensor_parallel_all_reduces(gm: torch.fx.GraphModule, group: str) -> torch.fx.GraphModule:
+    """Every third matmul's result all-reduced (and waited) on `group` before its users read it:
+    a second process group's collectives, as tensor parallelism puts beside FSDP's."""
+    graph, matmuls = gm.graph, (torch.ops.aten.mm.default, torch.ops.aten.addmm.default)
+    for i, node in enumerate(n for n in list(graph.nodes) if n.target in matmuls):
+        if i % 3:
+            continue
+        users = list(node.users)
+        with graph.inserting_after(node):
+            reduced = graph.call_function(torch.ops._c10d_functional.all_reduce.default, (node, "sum", group))
+        with graph.inserting_after(reduced):
+            waited = graph.call_function(torch.ops._c10d_functional.wait_tensor.default, (reduced,))
+        reduced.meta, waited.meta = dict(node.meta), dict(node.meta)
+        for user in users:
+            user.replace_input_with(node, waited)
+    graph.lint()
+    gm.recompile()
+    return gm
+
+
+def test_same_schedule_whatever_the_process_groups_are_called():
+    """On a 2-D mesh the ranks that share an FSDP group hold different tensor-parallel groups, so
+    their graphs differ in a group's name (torch names groups by creation: rank 0's TP group is
+    "1", rank 2's "2"). They must still order their FSDP collectives alike: nothing may sort or
+    break ties by a group's name. The same graph under four namings, whose names sort either way
+    round, gives one schedule (names written back to F and T)."""
+    results = set()
+    for fsdp, tp in (("3", "1"), ("3", "5"), ("a", "b"), ("b", "a")):
+        gm = _with_tensor_parallel_all_reduces(
+            generate_graph(800, seed=11, layers=2, buckets=True, group_name=fsdp), tp)
+        texts = []
+        for pipeline in PIPELINES:
+            done = fxsched.schedule(gm, pipeline)
+            text = print_program(done.program, effects=True) + done.graph_module.code
+            for name, neutral in ((fsdp, "F"), (tp, "T")):
+                text = text.replace(f'"{name}"', neutral).replace(f"'{name}'", neutral).replace(f"comm:{name}", neutral)
+            texts.append(text)
+        assert "all_reduce" in texts[0] and "group = T" in texts[0] and "group = F" in texts[0]
+        results.add(tuple(texts))
+    assert len(results) == 1, "a group's name changed a schedule"
+
+
 # ---- fingerprints --------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
