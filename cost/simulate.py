@@ -69,12 +69,14 @@ class Simulation:
 
     @property
     def lower_bound_ms(self) -> float:
-        """max(total compute, total communication of the busiest stream)."""
+        """The plain bound: max(total compute, total communication of the busiest stream), a bound
+        over every order. The gap report's `bound_ms` (cost/limits.py `lower_bound`) is tighter:
+        it adds what the schedule's compute order forces exposed and the critical path."""
         return max(self.compute_ms, max(self.comm_ms_by_stream.values(), default=0.0))
 
     @property
     def ratio(self) -> float:
-        """step time / lower bound (1.0 = nothing exposed that could have been hidden)."""
+        """step time / the plain bound (`lower_bound_ms`)."""
         bound = self.lower_bound_ms
         return self.step_ms / bound if bound > 0 else 1.0
 
