@@ -56,14 +56,28 @@ def _target_name(target) -> str:
     return f"{module}.{name}" if module else name
 
 
+#: ops that write arguments their schema does not mark (`Tensor(a!)`): aten's older batch norms
+#: update `running_mean` and `running_var` in place in training mode (functionalization knows
+#: them by name too); make_fx without functionalization records `native_batch_norm` so. Taken to
+#: write them in every mode (in eval mode that only costs an order that was not needed).
+UNDECLARED_WRITES = {name: ("running_mean", "running_var") for name in (
+    "aten::native_batch_norm", "aten::batch_norm", "aten::_batch_norm_impl_index", "aten::cudnn_batch_norm",
+    "aten::miopen_batch_norm", "aten::instance_norm")}
+
+
 def _written_arguments(schema) -> tuple[tuple[int, str], ...]:
-    """(position, name) of each argument the schema writes (`Tensor(a!)`)."""
-    return tuple((i, a.name) for i, a in enumerate(schema.arguments) if a.alias_info is not None and a.alias_info.is_write)
+    """(position, name) of each argument the schema writes (`Tensor(a!)`, or one of
+    `UNDECLARED_WRITES`)."""
+    undeclared = UNDECLARED_WRITES.get(schema.name, ())
+    return tuple((i, a.name) for i, a in enumerate(schema.arguments)
+                 if (a.alias_info is not None and a.alias_info.is_write) or a.name in undeclared)
 
 
 # Python functions that write their first argument in place (operator.iadd is `x += y`)
 _PY_INPLACE = frozenset({"iadd", "isub", "imul", "imatmul", "itruediv", "ifloordiv", "imod", "ipow", "iand", "ior",
                          "ixor", "ilshift", "irshift", "setitem", "delitem"})
+# tensor attributes that are views of the tensor (`x.T`: symbolic_trace records `getattr(x, "T")`)
+_VIEW_ATTRIBUTES = frozenset({"T", "mT", "H", "mH", "real", "imag", "data"})
 # modules of Python callables fxsched knows by their name (torch's functions, operator, builtins)
 _KNOWN_MODULES = ("torch", "_operator", "operator", "builtins", "math")
 
@@ -113,6 +127,7 @@ class _Target(NamedTuple):
     clone: bool  # aten.clone.default (a bucket's copy-out when tagged so)
     heavy: bool
     attention: bool
+    side_effect: bool  # a Python call into torch.distributed (`dist.all_reduce`, `dist.send`): communication fx cannot see
     group_at: int | None  # position of the `group_name` argument, if the schema has one
     group_size_at: int | None  # position of the (last) `group_size` argument
     reduce_op_at: int | None  # position of the `reduce_op` argument, if the schema has one
@@ -190,6 +205,15 @@ def _random_module(module) -> bool:
     return isinstance(module, (torch.nn.modules.dropout._DropoutNd, torch.nn.RReLU))
 
 
+def _distributed(module: str, short: str) -> bool:
+    """A Python function of torch.distributed that communicates in place or as a side effect
+    (`dist.all_reduce`, `dist.recv`, `dist.barrier`): not one of the functional collectives'
+    wrappers, which return a new tensor (but their `*inplace*` ones)."""
+    if not (module == "torch.distributed" or module.startswith("torch.distributed.")):
+        return False
+    return not module.startswith("torch.distributed._functional_collectives") or "inplace" in short
+
+
 def _classify(op: str, target) -> _Target:
     name = _target_name(target)
     call = op == "call_function"
@@ -203,7 +227,8 @@ def _classify(op: str, target) -> _Target:
     written = _written_arguments(schema) if schema is not None else ()
     result_alias = None
     if written and schema.returns and (ret := schema.returns[0].alias_info) is not None and ret.is_write:
-        result_alias = next((i for i, _ in written if schema.arguments[i].alias_info.before_set == ret.before_set), None)
+        result_alias = next((i for i, _ in written if schema.arguments[i].alias_info is not None
+                             and schema.arguments[i].alias_info.before_set == ret.before_set), None)
     short = name.rsplit(".", 1)[-1]
     module = (getattr(target, "__module__", None) or "") if call else ""
     may_copy = view and schema is not None and _composite(schema)
@@ -233,7 +258,7 @@ def _classify(op: str, target) -> _Target:
         result_alias=result_alias,
         py_inplace=py_inplace,
         known=op == "call_method" or (call and (schema is not None or isinstance(target, torch._ops.OpOverloadPacket)
-                                                or module.split(".")[0] in _KNOWN_MODULES
+                                                or (module.split(".")[0] in _KNOWN_MODULES and not _distributed(module, short))
                                                 or target is operator.getitem)),
         packet=call and isinstance(target, torch._ops.OpOverloadPacket),
         cast=schema is not None and schema.name in CAST_OPS,
@@ -244,6 +269,7 @@ def _classify(op: str, target) -> _Target:
         clone=call and target is torch.ops.aten.clone.default,
         heavy=call and is_heavy(name),
         attention=attention,
+        side_effect=call and schema is None and _distributed(module, short),
         group_at=arguments.index("group_name") if "group_name" in arguments else None,
         group_size_at=len(arguments) - 1 - arguments[::-1].index("group_size") if "group_size" in arguments else None,
         reduce_op_at=arguments.index("reduce_op") if "reduce_op" in arguments else None,
@@ -326,6 +352,7 @@ class _Lowering:
         self.coalesced: set[str] = set()  # those of them that are coalesced (waited through getitems)
         self.launch_writes: dict[str, tuple[str, ...]] = {}
         self.output: str | None = None  # the output's name, once lowered
+        self.attributes: dict[int, str] = {}  # storage of a get_attr's tensor -> the first get_attr of it
 
     def target(self, node: fx.Node) -> _Target:
         key = (node.op, id(node.target))
@@ -350,7 +377,8 @@ class _Lowering:
         try:
             return self.impurity[key]
         except KeyError:
-            found = self.impurity[key] = node.is_impure(impure_random=False)
+            found = self.impurity[key] = (node.op == "call_function" and self.target(node).side_effect
+                                          or node.is_impure(impure_random=False))
             return found
 
     def opaque(self, node: fx.Node) -> bool:
@@ -392,6 +420,20 @@ class _Lowering:
         user = next(iter(node.users))
         return self.target(user).wait and len(user._input_nodes) == 1
 
+    def attribute(self, node: fx.Node) -> str | None:
+        """The earlier get_attr of the storage this get_attr reads, if any (then records this one:
+        a graph may name one module tensor in several get_attr nodes, make_fx a tensor closed over
+        once per use, and tied attributes share a tensor under two names)."""
+        try:
+            value = attrgetter(node.target)(self.gm)
+        except AttributeError:
+            return None
+        key = _storage_key(value)
+        if key is None:
+            return None
+        first = self.attributes.setdefault(key, node.name)
+        return first if first != node.name else None
+
     def storage(self, node: fx.Node) -> int | None:
         """`_storage_key` of the node's `meta["val"]`, once per node."""
         try:
@@ -417,7 +459,7 @@ class _Lowering:
 
         A schema says which arguments it writes (in-place and `out=` overloads, mutating
         collectives); an overload packet, what any of its overloads could write that the call
-        passes; a Python in-place call (`relu_`, `x.add_`, `operator.iadd`), a call with
+        passes; a Python call of a known module given `out=`, its `out`; a Python in-place call (`relu_`, `x.add_`, `operator.iadd`), a call with
         `inplace=True`, or a module built with `inplace=True` writes its first argument; a call
         fxsched cannot classify (a function of no known module, a module not from torch.nn) is
         taken to write every tensor it is given.
@@ -445,6 +487,10 @@ class _Lowering:
                     names += [n.name for n in _node_operands(value)]
             names = list(dict.fromkeys(names))
             return tuple(names), (names[0] if names else None), False
+        out = _node_operands(kwargs.get("out")) if info.known and node.op != "call_module" else ()
+        if out:  # a Python call given `out=` (`torch.add(x, y, out=buf)`, `torch.max(x, 0, out=(v, i))`) writes it
+            names = tuple(dict.fromkeys(n.name for n in out))
+            return names, (names[0] if isinstance(kwargs["out"], fx.Node) else None), False
         inplace = info.py_inplace or kwargs.get("inplace") is True
         if node.op == "call_module":
             module = self.gm.get_submodule(node.target)
@@ -491,6 +537,11 @@ class _Lowering:
         # `Op.make`: no conversion, as every value here already has its field's type)
         base = (name, operands, phase, types)  # for the helpers below
         if kind == "get_attr":
+            first = self.attribute(node)
+            if first is not None:
+                # the same tensor (or storage) read again: an alias of the first read, so that the
+                # writes through one are ordered against the reads through the other
+                return Constant.make(name, (first,), phase, types, target=str(node.target), alias=first)
             return Constant.make(name, operands, phase, types, target=str(node.target))
         info = self.target(node)
         target = info.name
@@ -520,6 +571,9 @@ class _Lowering:
             return CopyOut.make(name, operands, phase, types, target=target, bucket=str(meta[tags.BUCKET_COPY_OUT]))
         if info.view:
             return self.view(node, info, base)
+        if (kind == "call_function" and node.target is getattr and len(node.args) == 2
+                and node.args[1] in _VIEW_ATTRIBUTES and isinstance(node.args[0], fx.Node)):
+            return View.make(name, operands, phase, types, target=target)
         writes, alias, unknown = self.writes(node, info)
         # a random call touches the RNG state only: ordered with the other random ops, no barrier
         # (torch calls Python's torch.rand* impure whatever impure_random says)

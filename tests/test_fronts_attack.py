@@ -1,0 +1,177 @@
+"""Graphs from the fronts users feed (symbolic_trace, hand-built FX, make_fx with in-place writes)
+whose lowering once missed a write or an alias, so that a legal schedule computed other numbers.
+
+The check is the IR's promise itself: every topological order of the lowered program (all of
+them, on these few-node graphs) raised back to FX computes bitwise what the input graph does. A
+pass only ever picks one of those orders, so a missing effect edge is a wrong schedule waiting
+for a pass that wants that order.
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+import operator
+
+import networkx as nx
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import fx, nn
+from torch.fx.experimental.proxy_tensor import make_fx
+
+from fxsched.ir import Barrier, Constant, View, parse_program, print_program
+from fxsched.ir.program import Schedule
+from fxsched.lowering import lower
+from fxsched.raising import raise_program
+
+
+def _run(gm: fx.GraphModule, inputs) -> list[torch.Tensor]:
+    gm = copy.deepcopy(gm)  # the graph may write its module's tensors: each run starts from the same
+    with torch.no_grad():
+        out = gm(*[t.clone() for t in inputs])
+    return [t for t in (out if isinstance(out, (tuple, list)) else [out]) if isinstance(t, torch.Tensor)]
+
+
+def assert_every_legal_order_computes_the_same(gm: fx.GraphModule, inputs, most: int = 400) -> int:
+    """Every topological order of the lowered program (up to `most`) raised and run equals the
+    input graph bitwise; the number of orders tried (more than one, or the check says nothing)."""
+    expected = _run(gm, inputs)
+    program = lower(gm)
+    tried = 0
+    for order in itertools.islice(nx.all_topological_sorts(program.graph), most):
+        program.schedule = Schedule(order)
+        got = _run(raise_program(program), inputs)
+        assert len(got) == len(expected) and all(torch.equal(a, b) for a, b in zip(expected, got)), (
+            f"a legal order computes other numbers: {[n for n in order if not n.startswith('^')]}\n{program}")
+        tried += 1
+    assert tried > 1
+    return tried
+
+
+def _graph(build, root: nn.Module | None = None) -> fx.GraphModule:
+    graph = fx.Graph()
+    build(graph)
+    return fx.GraphModule(root or nn.Module(), graph)
+
+
+# --------------------------------------------------------------------------- module attributes
+
+
+def test_two_get_attrs_of_one_buffer_are_one_storage():
+    """symbolic_trace and hand-built graphs make a get_attr per use of a buffer: a write through
+    one must order against reads through the other (they were two unrelated constants)."""
+    root = nn.Module()
+    root.register_buffer("buf", torch.arange(4.0))
+
+    def build(g):
+        x = g.placeholder("x")
+        g.call_method("add_", (g.get_attr("buf"), 1))
+        other = g.call_function(operator.neg, (x,))  # free to go anywhere: several legal orders
+        g.output((g.call_function(operator.add, (x, g.call_function(operator.mul, (g.get_attr("buf"), 3)))), other))
+
+    gm = _graph(build, root)
+    program = lower(gm)
+    second = program.op("buf_1")
+    assert isinstance(second, Constant) and second.alias == "buf"
+    assert_every_legal_order_computes_the_same(gm, [torch.randn(4)])
+    # the text form keeps the alias (effect edges are derived again on parse)
+    again = parse_program(print_program(program))
+    assert again.op("buf_1").alias == "buf" and set(again.graph.edges) == set(program.graph.edges)
+
+
+def test_make_fx_closing_over_a_parameter_updated_in_the_graph():
+    """make_fx (real tensors) of a function that uses a module directly: each use of a parameter
+    is its own get_attr of one tensor, and the in-graph update (an optimizer step, an EMA) writes
+    it through one of them."""
+    torch.manual_seed(0)
+    lin = nn.Linear(4, 4)
+
+    def step(x):
+        y = lin(x)
+        with torch.no_grad():
+            lin.weight.add_(1.0)
+        return y + lin(x)
+
+    gm = make_fx(step)(torch.randn(3, 4))
+    assert_every_legal_order_computes_the_same(gm, [torch.randn(3, 4)])
+
+
+def test_tied_attributes_share_their_storage():
+    """Two attribute names for one tensor (tied weights) are one storage."""
+    root = nn.Module()
+    root.a = nn.Parameter(torch.ones(4), requires_grad=False)
+    root.b = root.a
+
+    def build(g):
+        x = g.placeholder("x")
+        r = g.call_function(operator.mul, (g.get_attr("b"), 2))
+        g.call_method("mul_", (g.get_attr("a"), 5))
+        g.output((r, g.call_function(operator.neg, (x,))))
+
+    gm = _graph(build, root)
+    assert lower(gm).op("a").alias == "b"
+    assert_every_legal_order_computes_the_same(gm, [torch.randn(4)])
+
+
+# --------------------------------------------------------------------------- Python calls
+
+
+def test_tensor_attribute_view_orders_against_a_write():
+    """`x.T` in symbolic_trace is `getattr(x, "T")`: a view of x, so a later `x.mul_` is ordered
+    after the view's readers (it was a fresh value, and the read could move past the write)."""
+    def build(g):
+        x = g.placeholder("x")
+        t = g.call_function(getattr, (x, "T"))
+        g.call_method("mul_", (x, 2))
+        g.output((g.call_function(operator.add, (t, 0)), g.call_function(operator.neg, (t,))))
+
+    gm = _graph(build)
+    assert isinstance(lower(gm).op("getattr_1"), View)
+    assert_every_legal_order_computes_the_same(gm, [torch.randn(4, 4)])
+
+
+def test_python_call_with_out_writes_it():
+    """`torch.add(x, y, out=buf)`: the out tensor is written (it was taken for a pure call)."""
+    def build(g):
+        x, buf = g.placeholder("x"), g.placeholder("buf")
+        r = g.call_function(operator.mul, (buf, 1))
+        g.call_function(torch.add, (x, x), {"out": buf})
+        g.output((g.call_function(operator.add, (r, buf)), g.call_function(operator.neg, (x,))))
+
+    gm = _graph(build)
+    assert lower(gm).op("add").writes == ("buf",)
+    assert_every_legal_order_computes_the_same(gm, [torch.randn(4), torch.randn(4)])
+
+
+def test_torch_distributed_python_calls_are_barriers():
+    """`dist.all_reduce(x)` in a hand-built graph writes x and talks to the other ranks; fxsched
+    cannot see into it (it was a known, pure call that any read of x could cross)."""
+    def build(g):
+        x = g.placeholder("x")
+        r = g.call_function(operator.mul, (x, 1))
+        g.call_function(dist.all_reduce, (x,))
+        g.call_function(dist.barrier, ())
+        g.output((g.call_function(operator.add, (r, x)),))
+
+    program = lower(_graph(build))
+    assert isinstance(program.op("all_reduce"), Barrier) and isinstance(program.op("barrier"), Barrier)
+
+
+# --------------------------------------------------------------------------- schemas that do not say
+
+
+def test_make_fx_batch_norm_updates_its_running_stats():
+    """make_fx without functionalization records `aten.native_batch_norm`, whose schema marks no
+    write, but which updates running_mean and running_var in training mode: a read of the running
+    mean could move across it."""
+    def bn(x, running_mean, running_var, weight, bias):
+        before = running_mean * 1
+        y = F.batch_norm(x, running_mean, running_var, weight, bias, training=True)
+        return y, before, running_var + 0
+
+    inputs = [torch.randn(4, 3, 5), torch.randn(3), torch.rand(3), torch.randn(3), torch.randn(3)]
+    gm = make_fx(bn, tracing_mode="fake")(*inputs)
+    norm = next(op for op in lower(gm).ops() if "native_batch_norm" in getattr(op, "target", ""))
+    assert set(norm.writes) == {"running_mean_1", "running_var_1"}
+    assert_every_legal_order_computes_the_same(gm, inputs)
