@@ -10,6 +10,7 @@ identity says whether, where there is a val), and which collectives are opaque.
 
 from __future__ import annotations
 
+import inspect
 import operator
 from operator import attrgetter
 from collections.abc import Callable
@@ -127,6 +128,7 @@ class _Target(NamedTuple):
     clone: bool  # aten.clone.default (a bucket's copy-out when tagged so)
     heavy: bool
     attention: bool
+    inplace_at: int | None  # position of a Python function's `inplace` parameter (`F.relu(x, True)`)
     side_effect: bool  # a Python call into torch.distributed (`dist.all_reduce`, `dist.send`): communication fx cannot see
     group_at: int | None  # position of the `group_name` argument, if the schema has one
     group_size_at: int | None  # position of the (last) `group_size` argument
@@ -134,9 +136,20 @@ class _Target(NamedTuple):
 
 
 def _composite(schema) -> bool:
-    """A CompositeImplicit op: it decomposes into a view or a copy (reshape, contiguous, to)."""
+    """A CompositeImplicit op: it decomposes into a view or a copy (reshape, contiguous, to). A
+    schema the dispatcher does not know (`aten::cpu`, `-> Tensor(b|a)`: torch declares it for
+    Python only) is taken to be one: it may return its input or a copy."""
     name = schema.name + (f".{schema.overload_name}" if schema.overload_name else "")
-    return torch._C._dispatch_has_kernel_for_dispatch_key(name, "CompositeImplicitAutograd")
+    try:
+        return torch._C._dispatch_has_kernel_for_dispatch_key(name, "CompositeImplicitAutograd")
+    except RuntimeError:
+        return True
+
+
+#: Tensor methods with no aten op of their name that return the tensor itself when it already
+#: is what they convert to (`x.float()` of a float tensor is `x`), else a copy
+_MAY_RETURN_SELF = frozenset({"float", "double", "half", "bfloat16", "int", "long", "short", "char", "byte", "bool",
+                              "cfloat", "cdouble", "type", "type_as", "cpu", "cuda", "to", "contiguous"})
 
 
 def _python_view(name: str) -> tuple[bool, bool]:
@@ -145,9 +158,9 @@ def _python_view(name: str) -> tuple[bool, bool]:
     try:
         packet = getattr(torch.ops.aten, name)
     except (AttributeError, RuntimeError):
-        return False, False
+        packet = None
     if not isinstance(packet, torch._ops.OpOverloadPacket) or not packet.overloads():
-        return False, False
+        return (True, True) if name in _MAY_RETURN_SELF else (False, False)
     schemas = [getattr(packet, o)._schema for o in packet.overloads()]
     if not all(not s.is_mutable and s.returns and s.returns[0].alias_info is not None
                and not s.returns[0].alias_info.is_write for s in schemas):
@@ -188,10 +201,14 @@ def _graph_draws(gm: fx.GraphModule, target: Callable[[fx.Node], _Target]) -> bo
     return False
 
 
+# Python calls that set or read the generator's state (`torch.manual_seed(0)` between two draws)
+_RNG_STATE = frozenset({"manual_seed", "seed", "set_rng_state", "get_rng_state"})
+
+
 def _python_random(name: str) -> bool:
     """A Python call that draws from the RNG (`F.dropout`, `torch.rand_like`, `x.bernoulli_`):
     named like an aten op with an overload tagged nondeterministic_seeded, or a dropout."""
-    if "dropout" in name:  # dropout1d/2d/3d and feature_alpha_dropout have no aten op of that name
+    if "dropout" in name or name in _RNG_STATE:  # dropout1d/2d/3d and feature_alpha_dropout have no aten op of that name
         return True
     packet = getattr(torch.ops.aten, name, None) if name.isidentifier() else None
     if not isinstance(packet, torch._ops.OpOverloadPacket):
@@ -203,6 +220,19 @@ def _random_module(module) -> bool:
     """A module whose forward draws from the RNG: a dropout (even in eval mode: ordering a call
     that does not draw only costs freedom), or RReLU."""
     return isinstance(module, (torch.nn.modules.dropout._DropoutNd, torch.nn.RReLU))
+
+
+def _inplace_at(target) -> int | None:
+    """The position of a Python function's `inplace` parameter (`F.relu(input, inplace)`), if it
+    has one that may be passed by position."""
+    try:
+        parameters = list(inspect.signature(target).parameters.values())
+    except (TypeError, ValueError):  # a builtin without a signature
+        return None
+    for at, parameter in enumerate(parameters):
+        if parameter.name == "inplace" and parameter.kind in (parameter.POSITIONAL_ONLY, parameter.POSITIONAL_OR_KEYWORD):
+            return at
+    return None
 
 
 def _distributed(module: str, short: str) -> bool:
@@ -269,6 +299,7 @@ def _classify(op: str, target) -> _Target:
         clone=call and target is torch.ops.aten.clone.default,
         heavy=call and is_heavy(name),
         attention=attention,
+        inplace_at=_inplace_at(target) if call and schema is None else None,
         side_effect=call and schema is None and _distributed(module, short),
         group_at=arguments.index("group_name") if "group_name" in arguments else None,
         group_size_at=len(arguments) - 1 - arguments[::-1].index("group_size") if "group_size" in arguments else None,
@@ -491,7 +522,8 @@ class _Lowering:
         if out:  # a Python call given `out=` (`torch.add(x, y, out=buf)`, `torch.max(x, 0, out=(v, i))`) writes it
             names = tuple(dict.fromkeys(n.name for n in out))
             return names, (names[0] if isinstance(kwargs["out"], fx.Node) else None), False
-        inplace = info.py_inplace or kwargs.get("inplace") is True
+        inplace = (info.py_inplace or kwargs.get("inplace") is True
+                   or (info.inplace_at is not None and info.inplace_at < len(args) and args[info.inplace_at] is True))
         if node.op == "call_module":
             module = self.gm.get_submodule(node.target)
             inplace = getattr(module, "inplace", False) is True

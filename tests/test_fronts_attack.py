@@ -28,6 +28,7 @@ from fxsched.raising import raise_program
 
 def _run(gm: fx.GraphModule, inputs) -> list[torch.Tensor]:
     gm = copy.deepcopy(gm)  # the graph may write its module's tensors: each run starts from the same
+    torch.manual_seed(0)  # and draws the same numbers
     with torch.no_grad():
         out = gm(*[t.clone() for t in inputs])
     return [t for t in (out if isinstance(out, (tuple, list)) else [out]) if isinstance(t, torch.Tensor)]
@@ -175,3 +176,45 @@ def test_make_fx_batch_norm_updates_its_running_stats():
     norm = next(op for op in lower(gm).ops() if "native_batch_norm" in getattr(op, "target", ""))
     assert set(norm.writes) == {"running_mean_1", "running_var_1"}
     assert_every_legal_order_computes_the_same(gm, inputs)
+
+
+def test_conversions_that_may_return_their_input_are_maybe_views():
+    """`x.float()` of a float tensor is x, and `x.cpu()` of a CPU one (no aten op of the first name;
+    the second's schema, `Tensor(b|a)`, is unknown to the dispatcher: lowering raised on it)."""
+    def build(g):
+        x = g.placeholder("x")
+        as_float, on_cpu = g.call_method("float", (x,)), g.call_method("cpu", (x,))
+        g.call_method("add_", (x, 1))
+        g.output((g.call_function(operator.mul, (as_float, 2)), g.call_function(operator.mul, (on_cpu, 3)),
+                  g.call_function(operator.neg, (x,))))
+
+    gm = _graph(build)
+    program = lower(gm)
+    assert all(isinstance(program.op(n), View) and program.op(n).maybe for n in ("float_1", "cpu"))
+    assert_every_legal_order_computes_the_same(gm, [torch.randn(4)])
+
+
+def test_inplace_passed_by_position_writes():
+    """`F.relu(x, True)`: `inplace` by position, not only as a keyword."""
+    def build(g):
+        x = g.placeholder("x")
+        before = g.call_function(operator.mul, (x, 1))
+        g.call_function(F.relu, (x, True))
+        g.output((g.call_function(operator.add, (before, x)), g.call_function(operator.neg, (before,))))
+
+    gm = _graph(build)
+    assert lower(gm).op("relu").writes == ("x",)
+    assert_every_legal_order_computes_the_same(gm, [torch.randn(4)])
+
+
+def test_manual_seed_between_draws_keeps_its_place():
+    """`torch.manual_seed` sets the generator the draws read: it is ordered with them."""
+    def build(g):
+        x = g.placeholder("x")
+        first = g.call_function(torch.rand, ([4],))
+        g.call_function(torch.manual_seed, (0,))
+        g.output((first, g.call_function(torch.rand, ([4],)), g.call_function(operator.neg, (x,))))
+
+    gm = _graph(build)
+    assert lower(gm).op("manual_seed").random
+    assert_every_legal_order_computes_the_same(gm, [torch.randn(4)])
