@@ -310,7 +310,7 @@ class _SharedBaseSweep(Sweep):
         ninf = -math.inf
         a, b, waited = 0.0, ninf, []
         stream, fa, fb, fc = None, ninf, 0.0, ninf   # the stream: max(t + fa, stream + fb, fc)
-        launches, level, high = {}, 0, 0
+        launches, level, high, rise = {}, 0, 0, 0
         for j in range(bisect_left(live, lo), len(live)):
             i = live[j]
             if i >= hi:
@@ -335,6 +335,7 @@ class _SharedBaseSweep(Sweep):
                     fc = (fc if fc > b else b) + cost
                     launches[step_name] = (fa, fb, fc, extra)
                     level += extra
+                    rise += extra
                     if level > high:
                         high = level
                     continue
@@ -354,7 +355,7 @@ class _SharedBaseSweep(Sweep):
             e = tail_end.get(name)
             if e is not None:
                 tails = [max(tails[0], la + e), max(tails[1], lb + e), max(tails[2], lc + e)]
-        return _Piece(a, b, tuple(waited), stream, fa, fb, fc, launches, tuple(tails), high)
+        return _Piece(a, b, tuple(waited), stream, fa, fb, fc, launches, tuple(tails), high, rise)
 
     def _anchor(self, before) -> None:
         """Slots with new steps before them are stepped, whatever their own op."""
@@ -523,6 +524,7 @@ class _Piece:
     launches: dict = attrs.field(eq=False)
     tails: tuple
     high: int
+    rise: int  # the gathered bytes its launches add (the sum over `launches`: a jump adds it at once)
 
 
 class _Walk:
@@ -565,8 +567,7 @@ class _Walk:
             self.peak = high
         for n in piece.waited:
             level -= pending.pop(n, 0)
-        for _, _, _, extra in piece.launches.values():
-            level += extra
+        level += piece.rise
         if level != self.level or piece.high:
             self.last = math.nan
         self.level = level
