@@ -122,6 +122,8 @@ class _SharedBaseSweep(Sweep):
         self.slot = {n: i for i, n in enumerate(order)}
         self.dirty = -1    # the last slot a made change touched: the tails hold after it
         self.made: list[int] = []  # the slots a made change skips or puts steps before, in order
+        self.makes: list[list[int]] = []  # each make's slots, sorted, in the order made (see `_piece`)
+        self.scans: dict[int, _Scan] = {}  # first slot -> the longest `_piece` scan from it (see `_piece`)
         self._tails()
         self._stretches()
 
@@ -131,8 +133,10 @@ class _SharedBaseSweep(Sweep):
         self._anchor(before)
         slot = self.slot
         self.dirty = max(self.dirty, *(slot[n] for n in skip), *(slot[n] for n in before))
-        for i in {slot[n] for n in (*skip, *before)}:
+        slots = sorted({slot[n] for n in (*skip, *before)})
+        for i in slots:
             insort(self.made, i)
+        self.makes.append(slots)
 
     def _tails(self) -> None:
         """What each part of the state just before slot x adds to the step, by the program after
@@ -304,14 +308,58 @@ class _SharedBaseSweep(Sweep):
         time and each launch's end as max(t + alpha, stream + beta, gamma); or False where it
         launches on two streams or waits on a collective launched from the trial's first slot
         on (or never): those are walked. The same for every trial of one bucket: they start
-        from the same clock."""
+        from the same clock.
+
+        The scan from `lo` is kept (`scans`: the longest from each first slot) and goes on from
+        where it stopped when a trial asks for the same `lo` and a later `hi`, also after a
+        make: on the generated graphs a forward's gathers launch back to back and are waited
+        far later, so each of a few hundred two-member buckets in a row asks for [the first
+        slot after the run of launches, its members' wait) (1800 slots each at 30k nodes: most
+        of the slots the pieces scanned, and a third of the pass's time at 100k). What the scan
+        read is the same then: the sweep's skips and steps before in [lo, hi), where no make
+        since has put any (`makes`; else it is scanned again); the ends of the collectives its
+        waits wait on and whether each is in flight (the sweep's clock's, which only goes on,
+        and only to a trial's first slot, before lo: an end stays as it was stepped, and a
+        collective the scan waits is waited nowhere else, as `quick` runs only then, so it is
+        in flight at the later first slot exactly when it was at the earlier: a scan ends
+        False at a wait on a collective not stepped yet); the tails, the same for the run;
+        and the slots that step something (a slot `_anchor` makes live after the scan passed it
+        steps t + 0.0, which changes nothing). Going on from the kept state makes the same
+        operations in the same order as a scan from `lo`: the same maps."""
+        old = self.scans.get(lo)
+        holds = old is not None and self._scan_holds(old)
+        if holds and old.hi <= hi:
+            scan = old
+        else:
+            scan = _Scan(lo, len(self.makes))
+            if not holds or old.hi <= hi:
+                self.scans[lo] = scan
+        if scan.hi < hi and not scan.false:
+            self._scan(scan, hi)
+        if scan.false:
+            return False
+        return _Piece(scan.a, scan.b, tuple(scan.waited), scan.stream, scan.fa, scan.fb, scan.fc, dict(scan.launches),
+                      tuple(scan.tails), scan.high, scan.rise)
+
+    def _scan_holds(self, scan: _Scan) -> bool:
+        """Whether what `scan` read still holds (see `_piece`)."""
+        makes, lo, hi = self.makes, scan.lo, scan.hi
+        for k in range(scan.makes, len(makes)):
+            slots = makes[k]
+            j = bisect_left(slots, lo)
+            if j < len(slots) and slots[j] < hi:
+                return False
+        scan.makes = len(makes)
+        return True
+
+    def _scan(self, scan: _Scan, hi: int) -> None:
+        """Step `scan` on over slots [scan.hi, hi) (see `_piece`)."""
         live, order, steps, cur_skip, cur_before = self.live, self.order, self.steps, self.skip, self.before
         shared, pending, tail_end = self.clock.ends, self.clock.pending, self.tail_end
-        ninf = -math.inf
-        a, b, waited = 0.0, ninf, []
-        stream, fa, fb, fc = None, ninf, 0.0, ninf   # the stream: max(t + fa, stream + fb, fc)
-        launches, level, high, rise = {}, 0, 0, 0
-        for j in range(bisect_left(live, lo), len(live)):
+        a, b, waited = scan.a, scan.b, scan.waited
+        stream, fa, fb, fc = scan.stream, scan.fa, scan.fb, scan.fc   # the stream: max(t + fa, stream + fb, fc)
+        launches, level, high, rise, tails = scan.launches, scan.level, scan.high, scan.rise, scan.tails
+        for j in range(bisect_left(live, scan.hi), len(live)):
             i = live[j]
             if i >= hi:
                 break
@@ -329,11 +377,16 @@ class _SharedBaseSweep(Sweep):
                     if stream is None:
                         stream = on
                     elif on != stream:
-                        return False
+                        scan.false, scan.hi = True, i + 1  # (and so is every piece on from lo)
+                        return
                     fa = (fa if fa > a else a) + cost
                     fb = fb + cost
                     fc = (fc if fc > b else b) + cost
                     launches[step_name] = (fa, fb, fc, extra)
+                    e = tail_end.get(step_name)
+                    if e is not None:  # its end + tail (max is exact: as if taken over all at the end)
+                        tails[0], tails[1], tails[2] = (max(tails[0], fa + e), max(tails[1], fb + e),
+                                                        max(tails[2], fc + e))
                     level += extra
                     rise += extra
                     if level > high:
@@ -342,7 +395,8 @@ class _SharedBaseSweep(Sweep):
                 if kind == WAIT:
                     e = shared.get(extra)
                     if e is None:
-                        return False
+                        scan.false, scan.hi = True, i + 1  # (and so is every piece on from lo)
+                        return
                     if e > b:
                         b = e
                     if extra in pending:
@@ -350,12 +404,9 @@ class _SharedBaseSweep(Sweep):
                         level -= pending[extra]
                 a += cost
                 b += cost
-        tails = [ninf, ninf, ninf]  # the largest end + tail of its launches (all pending after it)
-        for name, (la, lb, lc, _) in launches.items():
-            e = tail_end.get(name)
-            if e is not None:
-                tails = [max(tails[0], la + e), max(tails[1], lb + e), max(tails[2], lc + e)]
-        return _Piece(a, b, tuple(waited), stream, fa, fb, fc, launches, tuple(tails), high, rise)
+        scan.hi = hi
+        scan.a, scan.b, scan.stream, scan.fa, scan.fb, scan.fc = a, b, stream, fa, fb, fc
+        scan.level, scan.high, scan.rise = level, high, rise
 
     def _anchor(self, before) -> None:
         """Slots with new steps before them are stepped, whatever their own op."""
@@ -525,6 +576,24 @@ class _Piece:
     tails: tuple
     high: int
     rise: int  # the gathered bytes its launches add (the sum over `launches`: a jump adds it at once)
+
+
+class _Scan:
+    """`_SharedBaseSweep._piece`'s scan of slots [lo, hi), as far as it went, to go on from:
+    the `_Piece` terms so far and the in-flight level; `makes`: how many of the sweep's makes
+    it is known to hold after; `false`: the piece is False from `hi` on."""
+
+    __slots__ = ("lo", "hi", "makes", "false", "a", "b", "waited", "stream", "fa", "fb", "fc", "launches",
+                 "level", "high", "rise", "tails")
+
+    def __init__(self, lo: int, makes: int):
+        ninf = -math.inf
+        self.lo = self.hi = lo
+        self.makes, self.false = makes, False
+        self.a, self.b, self.waited = 0.0, ninf, []
+        self.stream, self.fa, self.fb, self.fc = None, ninf, 0.0, ninf
+        self.launches, self.level, self.high, self.rise = {}, 0, 0, 0
+        self.tails = [ninf, ninf, ninf]  # the largest end + tail of its launches (all pending after it)
 
 
 class _Walk:

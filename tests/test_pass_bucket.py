@@ -554,3 +554,65 @@ def test_a_quick_trials_jump_launches_after_a_wait_on_what_was_in_flight():
     got, want = fast.quick(*change), plain.trial(*change)
     assert got is not None and got[0] == pytest.approx(want[0], abs=1e-12)
     assert fast.base_step == pytest.approx(16.0)  # c ends at 6, then 10 ms of compute
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_a_piece_gone_on_from_a_kept_scan_is_the_piece_scanned_afresh(seed):
+    """`_SharedBaseSweep._piece` goes on from the scan it kept for the same first slot, across
+    trials and makes (the generated graphs' forward launches its gathers back to back and waits
+    them far later: bucket after bucket asks for a longer piece from one slot): every piece
+    the pass asks for is, field by field and float for float, the piece scanned from its
+    first slot afresh; and pieces do go on from kept scans, across makes."""
+    from fxsched.passes import bucket_trials
+
+    counts = {"resumed": 0, "resumed after a make": 0, "pieces": 0}
+    bad = []
+
+    class Checked(bucket_trials._SharedBaseSweep):
+        def _piece(self, lo, hi):
+            old = self.scans.get(lo)
+            if old is not None and old.hi <= hi:
+                seen = old.makes
+                holds = self._scan_holds(old)
+                old.makes = seen  # (as it was: `_piece` checks it again)
+                if holds:
+                    counts["resumed"] += 1
+                    counts["resumed after a make"] += seen < len(self.makes)
+            got = super()._piece(lo, hi)
+            fresh = bucket_trials._Scan(lo, len(self.makes))
+            self._scan(fresh, hi)
+            want = False if fresh.false else bucket_trials._Piece(
+                fresh.a, fresh.b, tuple(fresh.waited), fresh.stream, fresh.fa, fresh.fb, fresh.fc,
+                dict(fresh.launches), tuple(fresh.tails), fresh.high, fresh.rise)
+            counts["pieces"] += 1
+            if got != want or (got is not False and got.launches != want.launches):
+                bad.append((lo, hi, got, want))
+            return got
+
+    program = lower(generate_graph(4000, seed=seed))
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(bucket_trials, "_SharedBaseSweep", Checked)
+        PassManager("default,bucket").run(program)
+    assert not bad, bad[:2]
+    assert counts["resumed after a make"] > 0, counts
+
+
+def test_a_make_inside_a_kept_scan_has_the_piece_scanned_again():
+    """A kept scan of [2, 5) (a wait on a launch before the trials' first slot among compute),
+    then a make that skips a compute op inside it: the longer piece asked for next is scanned
+    afresh (the skipped op's time gone), not gone on from the kept scan; one made after it
+    leaves it kept."""
+    from fxsched.cost.simulate import LAUNCH, OTHER, WAIT
+    from fxsched.passes.bucket_trials import _SharedBaseSweep
+    order = ["a", "x0", "x1", "wa", "x2", "x3", "x4", "x5"]
+    steps = {"a": (LAUNCH, 5.0, "comm:0", 0), "wa": (WAIT, 0.0, None, "a")}
+    steps.update({f"x{i}": (OTHER, 1.0 + i, None, None) for i in range(6)})
+    sweep = _SharedBaseSweep(order, steps)
+    sweep.advance(2)
+    first = sweep._piece(2, 5)
+    assert (first.a, first.b) == (2.0 + 3.0, 5.0 + 3.0)  # x1, then the wait on a (ends at 5), then x2
+    sweep.make({"x5"}, {})       # after the kept scan: it holds
+    assert sweep._piece(2, 6).a == 2.0 + 3.0 + 4.0 and sweep.scans[2].hi == 6
+    sweep.make({"x2"}, {})       # inside it: scanned again, without x2
+    again = sweep._piece(2, 7)
+    assert (again.a, again.b) == (2.0 + 4.0 + 5.0, 5.0 + 4.0 + 5.0)
