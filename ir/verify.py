@@ -238,6 +238,8 @@ def verify_moves(program: Program, moved: set[str]) -> None:
     at the end of a pipeline checks them independently.
     """
     graph = program.graph
+    if len(moved) * 6 > len(graph) and _moved_edges_forward(program, moved):
+        return
     pos = program.schedule.index
     problems = []
     for name in sorted(moved, key=pos):
@@ -250,6 +252,24 @@ def verify_moves(program: Program, moved: set[str]) -> None:
                 problems.append(_broken(name, v, e))
     if problems:
         raise VerifyError(problems)
+
+
+def _moved_edges_forward(program: Program, moved: set[str]) -> bool:
+    """Whether every edge at a node in `moved` points forward, by one walk down the order
+    against the set of nodes passed (as `_edges` walks), not a position lookup per node and
+    neighbour: where a pass moved a sixth of the nodes or more (sink moves ~27k of 100k), the
+    two lookups of `Schedule.index` per name, each a miss in a table of every name at 100k,
+    cost more than the walk (sink's check 72 -> 42 ms at 100k). False: look again with
+    positions, to name what is broken."""
+    graph = program.graph
+    pred, succ = graph._pred, graph._succ
+    passed: set[str] = set()
+    add = passed.add
+    for name in program.schedule.names():
+        if name in moved and not (passed.issuperset(pred[name]) and passed.isdisjoint(succ[name])):
+            return False
+        add(name)
+    return True
 
 
 def _broken(u: str, v: str, e: dict) -> str:

@@ -7,7 +7,7 @@ import textwrap
 import attrs
 import pytest
 
-from fxsched.ir import (BACKWARD, DATA, EFFECT, ENTRY, Phase, Schedule, VerifyError, Wait,
+from fxsched.ir import (BACKWARD, DATA, EFFECT, ENTRY, Phase, Schedule, VerifyError, Wait, verify_moves,
                         parse_program, verify)
 
 VALID = textwrap.dedent('''
@@ -285,3 +285,28 @@ def test_the_edges_alone_check_order_and_permutation_not_the_rules():
     verify(program, structure=False, rules=False)
     with pytest.raises(VerifyError, match="reads storage freed by %f"):
         verify(program, structure=False)
+
+
+def test_verify_moves_checks_the_edges_at_what_moved():
+    """Both ways verify_moves checks: a position lookup per moved node and neighbour (few moved),
+    and one walk down the order (a sixth of the nodes or more moved); each names the broken edges."""
+    program = valid()
+    schedule = program.schedule
+    assert len(program.graph) < 6 * 4  # four moved names take the walk
+    schedule.move_before(["sl", "v", "mm", "relu"], "f")  # moved in place: every edge still forward
+    moved = schedule.take_moved()
+    verify_moves(program, moved)
+    # few moved (positions), then many (the walk): each breaks the edge into %sl, and reports it alone
+    for names in (["sl"], ["sl", "v", "mm", "relu", "out1"]):
+        program = valid()
+        program.schedule.move_before(names, "ag")
+        moved = program.schedule.take_moved()
+        with pytest.raises(VerifyError) as info:
+            verify_moves(program, moved)
+        assert "%sl: scheduled before %wt, which it must follow by a data edge" in info.value.problems
+    # a moved successor that now comes first breaks the edge from an unmoved node it reads
+    program = valid()
+    program.schedule.move_before(["out1", "g", "relu", "cp", "f"], "x")
+    with pytest.raises(VerifyError) as info:
+        verify_moves(program, program.schedule.take_moved())
+    assert "%relu: scheduled before %mm, which it must follow by a data edge" in info.value.problems
