@@ -15,7 +15,9 @@ Each op has effects on resources, as MLIR's memory effects:
   launch and wait is kept there, with a note: the input races with its own collective);
 - `regather` — a gather follows the latest earlier free of each of its parameters;
 - `collective-order` — non-gather collectives (and opaque ones) of one process group keep
-  their relative order; one whose group is unknown orders against every group;
+  their relative order; one whose group is unknown orders against every group. An FSDP
+  gradient reduce-scatter marked `unordered` (`Launch.unordered`) keeps its place among the
+  group's other collectives but not among the other unordered ones (`collective_order`);
 - `rng-order` — random ops keep their order (they share the generator);
 - `barrier` — unknown state (tagged barriers, calls fxsched cannot see into): nothing crosses;
 - `phase` — forward before `^backward` before backward; `entry`/`output` — inputs first and
@@ -334,11 +336,29 @@ def _collective_read(program: Program, name: str, op: Op, launch: str, in_flight
 def _collective_edges(program: Program, order: list[str], ops: list[Op], kinds: list[type],
                       present: set[type]) -> None:
     """`collective-order`: per process group, non-gather launches and opaque collectives keep
-    their order; one with no known group follows the latest of every group, and they follow it."""
+    their order (those marked `unordered` only against the others); one with no known group
+    follows the latest of every group, and they follow it."""
     add_effect = program.add_effect
-    latest: dict[str, str] = {}  # per group, since the last op of unknown group
+    for before, after in collective_order(compress(zip(order, ops), _of(kinds, present, (Launch, Opaque)))):
+        add_effect(before, after, "collective-order")
+
+
+def collective_order(ops) -> list[tuple[str, str]]:
+    """The `collective-order` edges of `ops` ((name, op) pairs in order; ops that are no
+    collective, and gathers, are skipped), O(n) of them:
+
+    - per known group, the ordered collectives form a chain;
+    - an `unordered` one (`Launch.unordered`) follows the last ordered one of its group, and the
+      next ordered one follows every unordered one since: so unordered ones keep their place
+      among the ordered ones, not among themselves;
+    - one of unknown group is ordered in every group: it follows the last ordered one of each
+      group (or the unordered ones since), and what comes after it follows it.
+    """
+    edges: list[tuple[str, str]] = []
+    latest: dict[str, str] = {}  # per group, the last ordered one since the last of unknown group
+    since: dict[str, list[str]] = {}  # per group, the unordered ones after it
     unknown = None  # the last op of unknown group
-    for name, op in compress(zip(order, ops), _of(kinds, present, (Launch, Opaque))):
+    for name, op in ops:
         if isinstance(op, Launch):
             if op.is_gather:
                 continue
@@ -346,14 +366,28 @@ def _collective_edges(program: Program, order: list[str], ops: list[Op], kinds: 
             continue
         group = op.group
         if group is None:
-            for before in (latest.values() if latest else ([unknown] if unknown else ())):
-                add_effect(before, name, "collective-order")
-            latest, unknown = {}, name
-        else:
+            groups = dict.fromkeys([*latest, *since])  # in the order the groups came (no hash order)
+            if groups:
+                for g in groups:
+                    edges.extend((before, name) for before in (since.get(g) or (latest[g],)))
+            elif unknown is not None:
+                edges.append((unknown, name))
+            latest, since, unknown = {}, {}, name
+        elif getattr(op, "unordered", False):
             before = latest.get(group, unknown)
             if before is not None:
-                add_effect(before, name, "collective-order")
+                edges.append((before, name))
+            since.setdefault(group, []).append(name)
+        else:
+            pending = since.pop(group, None)
+            if pending:
+                edges.extend((before, name) for before in pending)
+            else:
+                before = latest.get(group, unknown)
+                if before is not None:
+                    edges.append((before, name))
             latest[group] = name
+    return edges
 
 
 # The rules below test every node's neighbours, so their per-step cost is most of

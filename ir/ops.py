@@ -231,6 +231,14 @@ class Launch(Op):
     process group (None when unknown). `anchor` names the node the launch should
     go just before (set by an anchoring pass); `hold` says why the launch stays where it is;
     `prefetched` is set once a pass has moved it there.
+
+    `unordered` (FSDP's gradient reduce-scatters only: role `fsdp_reduce_scatter`, a known
+    group) says it need not keep its traced order with the other unordered ones of its group:
+    every rank runs the same deterministic passes on the same graph, so every rank issues them
+    in the same order, whatever it is (as for the gathers, which keep no collective order).
+    Its order against every other collective of its group, and against those of unknown group,
+    is kept (`collective-order`, ir/effects.py). Set by `unorder-reduce-scatters` through
+    `Rewriter.unorder`, which updates the edges; never by lowering.
     """
 
     target: str = ""
@@ -245,10 +253,16 @@ class Launch(Op):
     anchor: str | None = None
     hold: str | None = None
     prefetched: bool = False
+    unordered: bool = False
 
     @property
     def is_gather(self) -> bool:
         return self.role in (Role.GATHER, Role.REGATHER)
+
+    @property
+    def may_unorder(self) -> bool:
+        """Whether `unordered` may be set on it: an FSDP gradient reduce-scatter of a known group."""
+        return self.role is Role.REDUCE_SCATTER and self.group is not None
 
 
 @irop("wait")

@@ -27,6 +27,17 @@ A pass that replaces ops by new ones (a bucket for several gathers) also has:
 - `hoist(name, before=target)`: move an op earlier, refused if one of its predecessors is not
   scheduled before `target`.
 
+A pass that relaxes an ordering rule for some ops says so on the ops and lets the rewriter
+redo the rule's edges there:
+
+- `unorder(names)`: mark FSDP gradient reduce-scatters `unordered` (`Launch.unordered`) and
+  replace the `collective-order` edges of their groups (and of the collectives of unknown
+  group) by those `effects.collective_order` gives for the schedule as it is: each new edge is
+  implied by the old ones (the schedule keeps them), so nothing that was legal becomes illegal,
+  and the only pairs left unordered are two unordered reduce-scatters of one group. An old edge
+  that also keeps a storage rule between the two launches (one writes what the other touches:
+  an edge keeps the name of the first rule that made it) stays, renamed `storage`.
+
 A created op's payload is a `Call` (plain data: a torch op by its IR target name, arguments
 with `Operand(i)` for its operands), which raising turns into an FX node.
 
@@ -49,8 +60,8 @@ from bisect import bisect
 
 import attrs
 
-from .effects import BACKWARD, ENTRY, storage_readers, storage_root
-from .ops import Free, Input, Launch, Op, Phase, Wait
+from .effects import BACKWARD, ENTRY, collective_order, storage_readers, storage_root
+from .ops import Free, Input, Launch, Op, Opaque, Phase, Wait
 from .program import DATA, EFFECT, Program
 from .waits import waits_of
 
@@ -196,6 +207,54 @@ class Rewriter:
                 raise RewriteError(f"hoist(%{name}) before %{before}: it follows %{p} ({why})")
         program.schedule.move_before([name], before)
 
+    # ---- relax the collective order -----------------------------------------------------
+    def unorder(self, names) -> int:
+        """Mark the launches `names` (FSDP gradient reduce-scatters of a known group:
+        `Launch.may_unorder`, else RewriteError, changing nothing) `unordered`, and redo the
+        `collective-order` edges of their groups (see the module doc). Returns how many were
+        not marked before. O(N) for the walk down the schedule, plus the groups' collectives."""
+        program = self.program
+        graph = program.graph
+        node, succ = graph._node, graph._succ
+        new = []
+        for name in dict.fromkeys(names):
+            op = node[name]["op"] if name in node else None
+            if not isinstance(op, Launch) or not op.may_unorder:
+                raise RewriteError(f"unorder(%{name}): only an FSDP reduce-scatter of a known group "
+                                   f"(role fsdp_reduce_scatter, a group) may leave the collective order")
+            if not op.unordered:
+                new.append(op)
+        if not new:
+            return 0
+        groups = {op.group for op in new}
+        # the collectives whose collective-order edges may change: those of these groups, and
+        # those of unknown group (ordered in every group), in schedule order
+        affected = [(n, op) for n, op in zip(program.schedule.names(), program.ops())
+                    if (isinstance(op, Opaque) or (isinstance(op, Launch) and not op.is_gather))
+                    and (op.group is None or op.group in groups)]
+        members = {n for n, _ in affected}
+        old = [(u, v) for u in members for v, e in succ[u].items()
+               if v in members and e["kind"] == EFFECT and e["why"] == "collective-order"]
+        marked = {op.name: attrs.evolve(op, unordered=True) for op in new}
+        edges = collective_order([(n, marked.get(n, op)) for n, op in affected])
+        pos = program.schedule.index
+        for before, after in edges:  # a schedule that keeps the old edges keeps these
+            if pos(before) >= pos(after):
+                raise RewriteError(f"unorder: %{after} is scheduled before %{before}, which it follows "
+                                   f"(collective-order): the schedule breaks the program's edges")
+        for op in marked.values():
+            program.replace(op)
+        keep = set(edges)
+        for u, v in old:
+            if (u, v) in keep:
+                continue
+            graph.remove_edge(u, v)
+            if _touch_conflict(program, u, v):  # the edge kept a storage rule too
+                program.add_effect(u, v, "storage")
+        for before, after in edges:
+            program.add_effect(before, after, "collective-order")
+        return len(new)
+
     # ---- replace ----------------------------------------------------------------------
     def replace_uses(self, old: str, new: str, *, only: set[str] | None = None) -> list[str]:
         """Make every data user of `old` (or those in `only`) read `new`; returns the users.
@@ -313,6 +372,22 @@ class Rewriter:
         program.payload.pop(name, None)
         self._writer_cache.clear()  # it may have been a writer, or read through an alias of one
         self.erased += 1
+
+
+def _touch_conflict(program: Program, a: str, b: str) -> bool:
+    """Whether ops `a` and `b` touch a common storage, at least one of them writing it."""
+    cache: dict[str, str] = {}
+
+    def touched(name):
+        op = program.op(name)
+        writes = {storage_root(program, w, cache) for w in op.writes}
+        if isinstance(op, Free) and op.operands:
+            writes.add(storage_root(program, op.operands[0], cache))
+        return {storage_root(program, o, cache) for o in op.operands} | writes, writes
+
+    touch_a, write_a = touched(a)
+    touch_b, write_b = touched(b)
+    return bool(write_a & touch_b or write_b & touch_a)
 
 
 def _writes(program: Program, name: str, root: str) -> bool:

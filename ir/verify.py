@@ -11,10 +11,10 @@ from operator import attrgetter, is_, itemgetter, not_
 
 import networkx as nx
 
-from .effects import storage_readers, storage_root
+from .effects import collective_order, storage_readers, storage_root
 from .errors import InputError
 from .gcpause import gc_paused
-from .ops import Free, Input, Launch, Marker, Output, Phase, View, Wait
+from .ops import Free, Input, Launch, Marker, Opaque, Output, Phase, View, Wait
 from .program import DATA, Program
 
 
@@ -109,6 +109,10 @@ def _structure(program: Program) -> list[str]:
             if op.anchor is not None and (op.anchor not in node or op.anchor == name):  # every reference an op holds
                 problems.append(f"%{name}: anchor {op.anchor if op.anchor.startswith('^') else '%' + op.anchor} "
                                 f"{'is the launch itself' if op.anchor == name else 'is not a node of the program'}")
+            if op.unordered and not op.may_unorder:
+                problems.append(f"%{name}: only an FSDP reduce-scatter of a known group (role fsdp_reduce_scatter, "
+                                f"a group) may be unordered; has role {op.role.value if op.role else None} and "
+                                f"group {op.group!r}")
             if op.nbytes is not None and (not isinstance(op.nbytes, int) or isinstance(op.nbytes, bool)
                                           or op.nbytes < 0):
                 problems.append(f"%{name}: nbytes must be a non-negative int, or absent when unknown; "
@@ -183,6 +187,9 @@ def _schedule(program: Program) -> list[str]:
             problems.append(f"%{names[phased[k]]}: forward op scheduled after backward op %{seen_backward} "
                             "(phases out of order)")
 
+    if edges_forward:  # (else the edges' problems say it)
+        problems += _collective_order(program, names, ops, kinds, classes)
+
     if not readers_first:
         first_frees = {}  # storage -> its first free
         for name, op in frees.items():
@@ -192,6 +199,41 @@ def _schedule(program: Program) -> list[str]:
             for reader in storage_readers(program, root):
                 if reader != name and pos[reader] > at and not isinstance(node[reader]["op"], Free):
                     problems.append(f"%{reader}: reads storage freed by %{name} but is scheduled after it")
+    return problems
+
+
+def _collective_order(program: Program, names: list[str], ops: list, kinds: list[type],
+                      classes: set[type]) -> list[str]:
+    """`collective-order`, checked against the ops' own facts: of every pair of one group's
+    collectives that the rule orders (`effects.collective_order` of the schedule: two
+    `unordered` reduce-scatters are the only pair it leaves free), the graph's edges order the
+    later after the earlier. So a pass that drops such an edge, or marks or unmarks a launch
+    without redoing the edges (`Rewriter.unorder`), is caught, not only a schedule against the
+    edges. Nearly every pair has its own edge; the others are searched for a path back, within
+    the positions between the two (every edge points forward)."""
+    collective = {k: issubclass(k, (Launch, Opaque)) for k in classes}
+    picked = list(compress(zip(names, ops), map(collective.__getitem__, kinds)))
+    if len(picked) < 2:
+        return []
+    succ, pred = program.graph._succ, program.graph._pred
+    problems, pos = [], None
+    for before, after in collective_order(picked):
+        if after in succ[before]:
+            continue
+        if pos is None:
+            pos = dict(zip(names, range(len(names))))
+        low, stack, seen = pos[before], [after], {after}
+        while stack:
+            current = stack.pop()
+            if before in pred[current]:
+                break
+            for p in pred[current]:
+                if p not in seen and pos[p] > low:
+                    seen.add(p)
+                    stack.append(p)
+        else:
+            problems.append(f"%{after}: not ordered after %{before} by any edge, but the collective order "
+                            f"keeps them so (collective-order: the same group, not both unordered)")
     return problems
 
 

@@ -1,6 +1,6 @@
 """Passes over the IR (never touching FX), their registry and the pass manager."""
 
-from . import anchor, bucket, budget, fill_waits, gradients_first, hide, memory_cap, order_gathers, overlap_reduce_scatter, prefetch, sink, unshard  # noqa: F401  (register the passes)
+from . import anchor, bucket, budget, fill_waits, gradients_first, hide, memory_cap, order_gathers, overlap_reduce_scatter, prefetch, sink, unorder_reduce_scatters, unshard  # noqa: F401  (register the passes)
 from .base import PASSES, Analysis, ModulePass, PassContext, PassResult, option, register_pass
 from .gathers import Gather, GatherAnalysis
 from .manager import (Instrument, PassFailure, PassManager, PipelineError, PipelineResult, PrintIR,

@@ -4,7 +4,8 @@ the collective runs under the compute that does not feed it.
 The other passes move communication only and keep the traced order of compute. A trace often
 computes a layer's gradients interleaved with work they do not need (the input gradients that
 feed the next layer's backward), and the reduce-scatters of one process group keep their order
-(`collective-order`), so where the first of a layer's reduce-scatters waits for a gradient the
+(`collective-order`; after `unorder-reduce-scatters` only against the group's other
+collectives, and a launch's ancestors then hold no reduce-scatter before it), so where the first of a layer's reduce-scatters waits for a gradient the
 trace computes last, every later one queues behind it at the end of the layer, exposed (in the
 generated graphs, before each barrier, which nothing crosses). This pass reorders compute:
 walking the reduce-scatter launches in order, it moves the ops between the previous one (or the

@@ -2,7 +2,9 @@
 
 Each reduce-scatter launches as soon as its gradient is ready: the launch, with the views that
 feed only it, rises to just after its latest predecessor (its gradient's producer, or the
-reduce-scatter before it: they keep their order; `hoist=false` leaves launches where they are).
+collective before it in its group's order: reduce-scatters keep their traced order, unless
+`unorder-reduce-scatters` marked them, when each may rise past the others; `hoist=false` leaves
+launches where they are).
 Then what follows each reduce-scatter's wait — its views (a bucket's per-parameter slices), casts
 (a bf16 gradient cast to fp32 for the output) and single-operand arithmetic — sinks to its
 uses, so that none of it pins the wait.
