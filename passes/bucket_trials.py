@@ -274,33 +274,90 @@ class _SharedBaseSweep(Sweep):
                 return None
             qb.walk(qb.at_slot, x, (), {}, made)
             base_step = self.base_step = qb.final(x)
-        slot, order, cur_before = self.slot, self.order, self.before
+        slot, order, cur_before, steps = self.slot, self.order, self.before, self.steps
         trial = _Walk(self, self.clock, at)
-        pieces, live, launch_end = qb.pieces, self.live, self.launch_end
-        lo = at
-        for i in sorted({*(slot[n] for n in skip), *(slot[n] for n in before), x}):
+        pieces, chains, live, launch_end = qb.pieces, qb.chains, self.live, self.launch_end
+        touched = sorted({*(slot[n] for n in skip), *(slot[n] for n in before), x})
+        anchors = sorted({slot[n] for n in before})
+        pending = self.clock.pending
+        # a chain: the stretches and touched slots since `chain[0]` (its first slot; `chain[1]`:
+        # its first index in `touched`) that are jumped, not walked, as one map (`chain[2]`;
+        # None: all empty so far); jumped where something is walked, and kept for the next
+        # trials of this bucket from this first slot (`_chain`)
+        chain = None
+        lo, p = at, 0
+        while True:
+            i = touched[p]
             if lo < i:  # a stretch the change leaves alone: a run of launches it opens, then the rest at once
                 j = bisect_left(live, lo)
-                if j < len(live) and live[j] < i and self.steps[order[live[j]]][0] == LAUNCH:
+                if j < len(live) and live[j] < i and steps[order[live[j]]][0] == LAUNCH:
+                    if chain is not None:
+                        self._chain(trial, chain, touched, p, lo, chains)
+                        chain = None
                     mid = min(launch_end[live[j]], i)
                     trial.walk(lo, mid, (), {}, made)
                     lo = mid
-                if lo < i:
-                    m = pieces.get((lo, i))
-                    if m is None:
-                        m = pieces[(lo, i)] = self._piece(lo, i)
-                    if m is False:
-                        trial.walk(lo, i, (), {}, made)
-                    else:
-                        trial.jump(m)
-            if i == x:
-                break
-            name = order[i]
-            if name in before or name in cur_before or name not in skip:
-                trial.walk(i, i + 1, skip, before, [i])
+            if chain is None:
+                kept = chains.get(lo)
+                if kept is not None:  # an earlier trial's chain from here: the same, where its slots are
+                    bounds, comp, lo_end = kept
+                    k = len(bounds)
+                    # (not through x, the last slot: a slot an earlier trial skipped may be this one's x)
+                    if p + k < len(touched) and touched[p:p + k] == bounds and \
+                            bisect_left(anchors, lo) == bisect_left(anchors, lo_end):
+                        chain = [lo, p, comp]
+                        p += k
+                        lo = lo_end
+                        continue
+            m = None
+            if lo < i:
+                m = pieces.get((lo, i))
+                if m is None:
+                    m = pieces[(lo, i)] = self._piece(lo, i)
+            walk_i = i != x and (order[i] in before or order[i] in cur_before or order[i] not in skip)
+            if m is False or walk_i or i == x:
+                if chain is not None:
+                    self._chain(trial, chain, touched, p, lo, chains)
+                    chain = None
+                if m is False:
+                    trial.walk(lo, i, (), {}, made)
+                elif m is not None:
+                    trial.jump(m)
+                if i == x:
+                    break
+                if walk_i:
+                    trial.walk(i, i + 1, skip, before, [i])
+            elif chain is None:
+                chain = [lo, p, m]
+            elif m is not None:
+                comp = m if chain[2] is None else _compose(chain[2], m, pending)
+                if comp is None:  # launches on another stream: the chain so far is jumped
+                    self._chain(trial, chain, touched, p, lo, chains)
+                    chain = [lo, p, m]
+                else:
+                    chain[2] = comp
             lo = i + 1
+            p += 1
         high = trial.peak if trial.peak > trial.level else trial.level
         return trial.final(x) - base_step, max(high, self.level_after[x])
+
+    @staticmethod
+    def _chain(trial: _Walk, chain: list, touched: list[int], p: int, lo: int, chains: dict) -> None:
+        """Jump `chain` (see `quick`), which ends just before `touched[p]` at slot `lo`, and keep it
+        for the next trials of the bucket (a bucket that grows a member at a time asks for the
+        chain of the one before and one more stretch: with it kept, a trial jumps one map for
+        what the one before jumped one stretch at a time, and its K members cost K maps, not K^2).
+        A kept chain holds for a later trial (same sweep, same first slot) that touches the same
+        slots after its first slot and puts no steps before one of them: its stretches are then
+        the same pieces, each touched slot is skipped with nothing stepped there, and the pieces
+        do not depend on the trial."""
+        if chain[2] is not None:
+            trial.jump(chain[2])
+        first, start = chain[0], chain[1]
+        if p - start > 1:
+            kept = chains.get(first)
+            if kept is None or len(kept[0]) < p - start:
+                chains[first] = (touched[start:p], chain[2], lo)
 
     def _piece(self, lo: int, hi: int):
         """Slots [lo, hi) of the program as it is, as maps of the state before them (`_Piece`):
@@ -576,6 +633,55 @@ class _Piece:
     tails: tuple
     high: int
     rise: int  # the gathered bytes its launches add (the sum over `launches`: a jump adds it at once)
+    #: a chain of pieces made one (`_compose`): the gathered bytes of its waits (each in flight
+    #: since before the trials' first slot), and whether a jump of any of them moves the level
+    #: (None: a piece, whose jump sees that itself)
+    drop: int = 0
+    resets: object = None
+
+
+def _compose(first: _Piece, then: _Piece, pending: dict) -> _Piece | None:
+    """The stretch of `first` then `then` as one `_Piece`, or None where they launch on two
+    streams. Max-plus maps compose: t -> max(t + a, b) after t -> max(t + a', b') is
+    t -> max(t + a' + a, max(b' + a, b)), and likewise the stream and each launch's end, which
+    read the compute time and the stream as they are after `first`. The same figures as
+    jumping the two in turn, but for rounding (sums added in another order: ~1e-15 of the step,
+    where `settle` lets the exact sweep decide anything within NEAR_MS). A jump pops the
+    collectives a piece waits from the trial's in-flight set; each is in flight in the sweep's
+    clock (where the piece found it) and waited nowhere else, so it pops `pending`'s bytes."""
+    if first.stream is None:
+        stream = then.stream
+    elif then.stream is None or then.stream == first.stream:
+        stream = first.stream
+    else:
+        return None
+    a, b, fa, fb, fc = first.a, first.b, first.fa, first.fb, first.fc   # (no stream: -inf, 0.0, -inf)
+
+    def after(la, lb, lc):  # max(t1 + la, s1 + lb, lc), t1 and s1 as `first` leaves them
+        return max(a + la, fa + lb), fb + lb, max(b + la, fc + lb, lc)
+
+    if then.stream is None:
+        sa, sb, sc = fa, fb, fc
+    else:
+        sa, sb, sc = after(then.fa, then.fb, then.fc)
+    launches = dict(first.launches)
+    for name, (la, lb, lc, extra) in then.launches.items():
+        launches[name] = (*after(la, lb, lc), extra)
+    ta, tb, tc = after(*then.tails)
+    tails = (max(first.tails[0], ta), max(first.tails[1], tb), max(first.tails[2], tc))
+    drops, resets = [], []
+    for piece in (first, then):
+        if piece.resets is None:
+            drop = sum(pending.get(n, 0) for n in piece.waited)
+            drops.append(drop)
+            resets.append(piece.rise - drop != 0 or piece.high != 0)
+        else:
+            drops.append(piece.drop)
+            resets.append(piece.resets)
+    high = max(first.high, first.rise - drops[0] + then.high)
+    then_b = b + then.a
+    return _Piece(a + then.a, then_b if then_b > then.b else then.b, first.waited + then.waited, stream, sa, sb, sc,
+                  launches, tails, high, first.rise + then.rise, drops[0] + drops[1], resets[0] or resets[1])
 
 
 class _Scan:
@@ -605,7 +711,7 @@ class _Walk:
     start plus the run's costs so far, `launch_sum`)."""
 
     __slots__ = ("sweep", "t", "free", "pending", "own", "shared", "runs", "level", "peak", "last", "at",
-                 "at_slot", "pieces", "jumped")
+                 "at_slot", "pieces", "chains", "jumped")
 
     def __init__(self, sweep: _SharedBaseSweep, clock: Clock, at: int):
         self.sweep, self.at, self.at_slot = sweep, at, at
@@ -613,6 +719,7 @@ class _Walk:
         self.free, self.pending, self.own, self.shared, self.runs = dict(clock.free), dict(clock.pending), {}, \
             clock.ends, []
         self.pieces: dict = {}  # (lo, hi) -> `_SharedBaseSweep._piece` of it, for the trials from `at`
+        self.chains: dict = {}  # first slot -> (touched slots, map, end slot): see `_SharedBaseSweep._chain`
         self.jumped: list = []  # [piece, t before it, its stream before it, its launches since waited]
 
     def jump(self, piece: _Piece) -> None:
@@ -637,7 +744,7 @@ class _Walk:
         for n in piece.waited:
             level -= pending.pop(n, 0)
         level += piece.rise
-        if level != self.level or piece.high:
+        if (level != self.level or piece.high) if piece.resets is None else piece.resets:
             self.last = math.nan
         self.level = level
 

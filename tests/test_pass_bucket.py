@@ -616,3 +616,124 @@ def test_a_make_inside_a_kept_scan_has_the_piece_scanned_again():
     sweep.make({"x2"}, {})       # inside it: scanned again, without x2
     again = sweep._piece(2, 7)
     assert (again.a, again.b) == (2.0 + 4.0 + 5.0, 5.0 + 4.0 + 5.0)
+
+
+def test_a_bucket_growing_a_member_at_a_time_jumps_the_chain_its_last_trial_kept():
+    """The stretches a growing bucket's trial jumps one after another are one map (`_compose`),
+    kept for the next trial from the same slot (`_SharedBaseSweep._chain`), which jumps it and
+    then its own new stretches: on a generated graph the kept chains are taken, and every quick
+    trial's figures are those of the same trials without them (each stretch jumped on its own)
+    up to rounding (1e-9 ms; NEAR_MS, where the exact sweep decides, is 1e-6), the in-flight
+    bound exactly; and so the same buckets."""
+    from fxsched.passes import bucket_trials
+
+    class Counting(dict):
+        hits = 0
+
+        def get(self, key, default=None):
+            got = super().get(key, default)
+            Counting.hits += got is not None
+            return got
+
+    class Never(dict):
+        def get(self, key, default=None):
+            return default
+
+    def run(chains):
+        answers = []
+
+        class Recording(bucket_trials._SharedBaseSweep):
+            def quick(self, at, end, skip, before):
+                got = super().quick(at, end, skip, before)
+                answers.append(got)
+                return got
+
+        class Walk(bucket_trials._Walk):
+            __slots__ = ()
+
+            def __init__(self, *args):
+                super().__init__(*args)
+                self.chains = chains()
+
+        program = lower(generate_graph(4000, seed=0))
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(bucket_trials, "_SharedBaseSweep", Recording)
+            patch.setattr(bucket_trials, "_Walk", Walk)
+            result = PassManager("default,bucket").run(program)
+        return answers, result.results[-1][1].stats["bought"]
+
+    kept, bought = run(Counting)
+    assert Counting.hits > 0
+    plain, plain_bought = run(Never)
+    assert len(kept) == len(plain) and bought.keys() == plain_bought.keys()
+    for got, want in zip(kept, plain):
+        assert (got is None) == (want is None)
+        if got is not None:
+            assert got[0] == pytest.approx(want[0], abs=1e-9) and got[1] == want[1]
+
+
+@settings(max_examples=200, deadline=None)
+@given(data=st.data())
+def test_a_composed_chain_jumps_as_its_pieces_jumped_in_turn(data):
+    """`_compose`: two pieces (a stream or none, launches, waits on what was in flight, tails)
+    jumped as one map leave the trial's compute time, stream, in-flight level and peak, whether
+    the level moved, each launch's end and the largest end + tail as jumping one then the other
+    does (up to rounding)."""
+    import math
+
+    from fxsched.cost.simulate import Clock
+    from fxsched.passes.bucket_trials import _compose, _Piece, _Walk
+
+    ninf = -math.inf
+    time_ = st.floats(0.0, 10.0)
+    maybe = st.one_of(st.just(ninf), time_)
+    pending = {f"p{i}": data.draw(st.integers(0, 4)) for i in range(4)}
+    names = iter(range(100))
+
+    def piece(free_names):
+        stream = data.draw(st.sampled_from([None, "comm:0"]))
+        launches = {}
+        if stream is not None:
+            for _ in range(data.draw(st.integers(1, 3))):
+                launches[f"l{next(names)}"] = (data.draw(time_), data.draw(time_), data.draw(maybe),
+                                               data.draw(st.integers(0, 3)))
+        waited = tuple(n for n in free_names if data.draw(st.booleans()))
+        for n in waited:
+            free_names.remove(n)
+        fa, fb, fc = (data.draw(time_), data.draw(time_), data.draw(maybe)) if stream else (ninf, 0.0, ninf)
+        tails = tuple(data.draw(maybe) for _ in range(3)) if stream else (ninf, ninf, ninf)
+        return _Piece(data.draw(time_), data.draw(maybe), waited, stream, fa, fb, fc, launches, tails,
+                      data.draw(st.integers(0, 5)), sum(x[3] for x in launches.values()))
+
+    free_names = list(pending)
+    first, then = piece(free_names), piece(free_names)
+    composed = _compose(first, then, pending)
+    assert composed is not None
+
+    def walk():
+        clock = Clock()
+        clock.t, clock.level = data.draw(time_, label="t"), 7
+        clock.free = {"comm:0": data.draw(time_, label="free")}
+        clock.pending = dict(pending)
+        w = _Walk.__new__(_Walk)
+        w.t, w.level, w.peak, w.last = clock.t, clock.level, 0, clock.t
+        w.free, w.pending, w.own, w.runs, w.jumped = dict(clock.free), dict(clock.pending), {}, [], []
+        return w
+
+    one, both = walk(), None
+    t0, f0 = one.t, one.free["comm:0"]
+    both = walk()
+    both.t, both.free = t0, {"comm:0": f0}
+    one.jump(first)
+    one.jump(then)
+    both.jump(composed)
+    assert both.t == pytest.approx(one.t, abs=1e-12)
+    assert both.free["comm:0"] == pytest.approx(one.free["comm:0"], abs=1e-12)
+    assert (both.level, both.peak, both.pending) == (one.level, one.peak, one.pending)
+    assert math.isnan(both.last) == math.isnan(one.last)
+    for name in {**first.launches, **then.launches}:
+        assert both._wait_in_piece(name)[0] == pytest.approx(one._wait_in_piece(name)[0], abs=1e-12)
+
+    def tail(w):
+        return max([max(t + p.tails[0], f + p.tails[1], p.tails[2]) for p, t, f, _ in w.jumped], default=ninf)
+    assert tail(both) == pytest.approx(tail(one), abs=1e-12)
