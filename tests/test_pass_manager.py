@@ -318,6 +318,41 @@ def test_the_last_check_reads_the_edges_alone_only_on_an_unchecked_input_moved_o
     assert calls[-1] == {"structure": False, "rules": rules}
 
 
+
+def test_the_last_pass_is_checked_by_the_final_walk_and_still_blamed(extra_passes, monkeypatch):
+    """The last pass's moves are checked by the run's final check (every edge), not twice; a
+    broken order is still blamed on that pass alone. Where something reads the program in
+    between (an instrument, check_analyses), its own check runs as after any other pass."""
+    @extra_passes
+    @dataclasses.dataclass(frozen=True)
+    class Hoist(ModulePass):
+        """Says it only reorders, and moves m1 above the wait it reads."""
+        name = "test-hoist-last"
+        reorders_only = True
+
+        def apply(self, ctx, program):
+            program.schedule.move_before(["m1"], "t1")
+            return PassResult(True)
+
+    with pytest.raises(PassFailure) as info:
+        PassManager("sink,test-hoist-last", check_analyses=False).run(parse_program(PROGRAM))
+    assert "pass 'test-hoist-last' left an invalid program" in str(info.value)
+    assert "%m1: scheduled before %t1, which it must follow by a data edge" in str(info.value)
+
+    import fxsched.passes.manager as manager
+    calls = []
+    real = manager.verify_moves
+    monkeypatch.setattr(manager, "verify_moves", lambda program, moved: calls.append(moved) or real(program, moved))
+    PassManager(REFERENCE_PIPELINE, check_analyses=False).run(parse_program(PROGRAM))
+    assert len(calls) == 3  # anchor, budget, prefetch: sink's moves by the final check
+    calls.clear()
+    PassManager(REFERENCE_PIPELINE, check_analyses=False, instruments=[Timing()]).run(parse_program(PROGRAM))
+    assert len(calls) == 4
+    calls.clear()
+    PassManager(REFERENCE_PIPELINE, check_analyses=True).run(parse_program(PROGRAM))
+    assert len(calls) == 4
+
+
 # ---- instruments --------------------------------------------------------------------------------
 
 def test_timing_records_every_pass():
