@@ -205,6 +205,34 @@ def _graph_draws(gm: fx.GraphModule, target: Callable[[fx.Node], _Target]) -> bo
 _RNG_STATE = frozenset({"manual_seed", "seed", "set_rng_state", "get_rng_state"})
 
 
+#: Higher-order ops that read their tensors and write none (each op they are given is run
+#: functionally); a higher-order op neither listed nor given a subgraph fxsched can read is taken
+#: to write every tensor it is given
+FUNCTIONAL_HOPS = frozenset({"auto_functionalized", "auto_functionalized_v2", "triton_kernel_wrapper_functional",
+                             "with_effects", "run_and_save_rng_state", "run_with_rng_state",
+                             "graphsafe_run_with_rng_state", "out_dtype"})
+#: `triton_kernel_wrapper_mutation(kernel_idx, ..., kwargs={name: tensor})` runs a user's triton
+#: kernel on the tensors of `kwargs`, writing those it stores to (all of them, as fxsched sees it)
+TRITON_MUTATION = "triton_kernel_wrapper_mutation"
+
+
+def _graph_writes(gm: fx.GraphModule, target: Callable[[fx.Node], _Target]) -> bool:
+    """Whether any call in `gm`, or in a subgraph of one, writes a tensor in place."""
+    for node in gm.graph.nodes:
+        if node.op == "call_module":
+            if getattr(gm.get_submodule(node.target), "inplace", False) is True:
+                return True
+        elif node.op in ("call_function", "call_method"):
+            info = target(node)
+            if info.written or info.py_inplace or node.kwargs.get("inplace") is True:
+                return True
+            if isinstance(node.target, torch._ops.HigherOrderOperator) and (
+                    node.target.name() == TRITON_MUTATION
+                    or any(_graph_writes(sub, target) for sub in _subgraphs(gm, node))):
+                return True
+    return False
+
+
 def _python_random(name: str) -> bool:
     """A Python call that draws from the RNG (`F.dropout`, `torch.rand_like`, `x.bernoulli_`):
     named like an aten op with an overload tagged nondeterministic_seeded, or a dropout."""
@@ -398,6 +426,22 @@ class _Lowering:
         given) draws from the RNG, at any depth: it is random as its random ops are."""
         return any(_graph_draws(sub, self.target) for sub in _subgraphs(self.gm, node))
 
+    def hop_writes(self, node: fx.Node) -> tuple[tuple[str, ...], str | None, bool]:
+        """`writes` of a higher-order op: a user's triton kernel writes the tensors it is given;
+        one whose subgraph writes in place, or one fxsched does not know (`FUNCTIONAL_HOPS`) and
+        can see no subgraph of, every tensor it is given."""
+        hop = node.target.name()
+        if hop == TRITON_MUTATION:
+            return tuple(dict.fromkeys(n.name for n in _node_operands(list((node.kwargs.get("kwargs") or {}).values())))), None, False
+        subgraphs = _subgraphs(self.gm, node)
+        if subgraphs:
+            if any(_graph_writes(sub, self.target) for sub in subgraphs):
+                return tuple(n.name for n in node.all_input_nodes if n.op != "get_attr"), None, True
+            return (), None, False
+        if hop in FUNCTIONAL_HOPS:
+            return (), None, False
+        return tuple(n.name for n in node.all_input_nodes), None, True
+
     def impure(self, node: fx.Node) -> bool:
         """`node.is_impure(impure_random=False)`, once per target: it reads the target (a
         schema, torch's side-effect registries, a module's flag), and the arguments only of a
@@ -504,6 +548,10 @@ class _Lowering:
                 value = args[at] if at < len(args) and not info.schema.arguments[at].kwarg_only else kwargs.get(name)
                 names += [n.name for n in _node_operands(value)]
             alias = None
+            if info.schema.name == "aten::set_" and len(args) > 1 and isinstance(args[1], fx.Node):
+                # `x.set_(y)`: x (and the result) now views y's storage; its uses through the
+                # result are ordered with y's accesses (uses of x itself only after the set_)
+                return tuple(dict.fromkeys(names)), args[1].name, False
             if info.result_alias is not None:
                 name = dict(info.written)[info.result_alias]
                 value = args[info.result_alias] if info.result_alias < len(args) else kwargs.get(name)
@@ -518,6 +566,8 @@ class _Lowering:
                     names += [n.name for n in _node_operands(value)]
             names = list(dict.fromkeys(names))
             return tuple(names), (names[0] if names else None), False
+        if isinstance(node.target, torch._ops.HigherOrderOperator):
+            return self.hop_writes(node)
         out = _node_operands(kwargs.get("out")) if info.known and node.op != "call_module" else ()
         if out:  # a Python call given `out=` (`torch.add(x, y, out=buf)`, `torch.max(x, 0, out=(v, i))`) writes it
             names = tuple(dict.fromkeys(n.name for n in out))

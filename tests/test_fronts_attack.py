@@ -218,3 +218,63 @@ def test_manual_seed_between_draws_keeps_its_place():
     gm = _graph(build)
     assert lower(gm).op("manual_seed").random
     assert_every_legal_order_computes_the_same(gm, [torch.randn(4)])
+
+
+# --------------------------------------------------------------------------- higher-order ops
+
+
+def test_a_users_triton_kernel_writes_the_tensors_it_is_given():
+    """Inductor's post-grad graphs call a user's triton kernel as `triton_kernel_wrapper_mutation`,
+    which stores into tensors of its `kwargs` (it was pure compute: a read of its output buffer
+    could move across it). The kernel runs on GPUs only: the check is on the lowered effects."""
+    from torch._higher_order_ops.triton_kernel_wrap import triton_kernel_wrapper_mutation
+
+    def build(g):
+        x, out = g.placeholder("x"), g.placeholder("out")
+        before = g.call_function(operator.mul, (out, 1))
+        g.call_function(triton_kernel_wrapper_mutation, (), dict(
+            kernel_idx=0, constant_args_idx=0, grid=[(1, 1, 1)], tma_descriptor_metadata={},
+            kwargs={"in_ptr": x, "out_ptr": out}))
+        g.output((g.call_function(operator.add, (before, out)),))
+
+    program = lower(_graph(build))
+    assert set(program.op("triton_kernel_wrapper_mutation").writes) == {"x", "out"}
+    assert nx.has_path(program.graph, "mul", "triton_kernel_wrapper_mutation")
+    assert nx.has_path(program.graph, "triton_kernel_wrapper_mutation", "add")
+
+
+def test_a_higher_order_op_whose_subgraph_writes_its_input():
+    """`invoke_subgraph` around an in-place op writes what it is given (as a subgraph that draws is
+    random, tests/test_rng_hops.py); a higher-order op fxsched does not know writes all it is given."""
+    from torch._higher_order_ops.invoke_subgraph import invoke_subgraph
+
+    sub = make_fx(lambda x: (x.mul_(2),))(torch.ones(4))
+    root = nn.Module()
+    root.sub = sub
+
+    def build(g):
+        x = g.placeholder("x")
+        before = g.call_function(operator.mul, (x, 1))
+        call = g.call_function(invoke_subgraph, (g.get_attr("sub"), "sub0", x))
+        g.output((g.call_function(operator.add, (before, x)), g.call_function(operator.getitem, (call, 0)),
+                  g.call_function(operator.neg, (before,))))
+
+    gm = _graph(build, root)
+    assert lower(gm).op("invoke_subgraph").writes == ("x",)
+    assert_every_legal_order_computes_the_same(gm, [torch.randn(4)])
+
+
+def test_set_makes_the_result_a_view_of_the_source():
+    """make_fx of `x.set_(y)`: the result (what later uses of x read) views y's storage, so a later
+    `y.add_` is ordered against them (the result was x's own storage, and a read of it could cross
+    the write)."""
+    def f(x, y):
+        x.set_(y)
+        y.add_(1)
+        return x.sum() * 1, y + 0
+
+    inputs = [torch.randn(4), torch.randn(4)]
+    gm = make_fx(f)(*[t.clone() for t in inputs])
+    assert lower(gm).op("set_").alias == "y_1"
+    assert_every_legal_order_computes_the_same(gm, inputs)
+
