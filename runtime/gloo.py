@@ -286,9 +286,10 @@ def graph_group_names(gm: fx.GraphModule) -> dict[str, int]:
                   for i, a in enumerate(schema.arguments)}
         name, size = values.get("group_name"), values.get("group_size")
         if isinstance(name, str):
-            if isinstance(size, int) and groups.get(name, size) != size:
-                raise ValueError(f"group {name!r} used with sizes {groups[name]} and {size}")
-            groups[name] = size if isinstance(size, int) else groups.get(name, -1)
+            known = groups.get(name, -1)  # -1: no collective of it has said its size yet (all_reduce does not)
+            if isinstance(size, int) and known not in (-1, size):
+                raise ValueError(f"group {name!r} used with sizes {known} and {size}")
+            groups[name] = size if isinstance(size, int) else known
     return groups
 
 

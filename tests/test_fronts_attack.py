@@ -278,3 +278,21 @@ def test_set_makes_the_result_a_view_of_the_source():
     assert lower(gm).op("set_").alias == "y_1"
     assert_every_legal_order_computes_the_same(gm, inputs)
 
+
+# --------------------------------------------------------------------------- the runner
+
+
+def test_group_size_learnt_after_a_collective_that_does_not_say_it():
+    """An all_reduce names its group but no size; a reduce-scatter on that group after it says 2:
+    the runner refused the graph ("group 'tp' used with sizes -1 and 2")."""
+    from fxsched.runtime import graph_group_names
+
+    c10d = torch.ops._c10d_functional
+
+    def build(g):
+        x = g.placeholder("x")
+        reduced = g.call_function(c10d.wait_tensor.default, (g.call_function(c10d.all_reduce.default, (x, "sum", "tp")),))
+        scattered = g.call_function(c10d.reduce_scatter_tensor.default, (reduced, "sum", 2, "tp"))
+        g.output((g.call_function(c10d.wait_tensor.default, (scattered,)),))
+
+    assert graph_group_names(_graph(build)) == {"tp": 2}
