@@ -26,13 +26,17 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from fxsched.cost import format_bytes, op_costs, simulate
-from fxsched.ir import Program, VerifyError, verify
+from fxsched.ir import Launch, Program, VerifyError, verify
+from fxsched.ir.rewriter import Rewriter
 
 GIB = 1 << 30
 # gradients-first and fill-waits reorder compute (passes/gradients_first.py, fill_waits.py): not
 # in `default` (gradients-first raises the peak)
+# unorder-reduce-scatters lets FSDP's reduce-scatters of a group run in any order among themselves
+# (passes/unorder_reduce_scatters.py): opt-in, right where every rank runs the same pipeline
 CAP_PIPELINES = ("default", "default,bucket", "default,unshard", "default,bucket,unshard",
-                 "gradients-first,default,fill-waits", "gradients-first,default,bucket,unshard,fill-waits")
+                 "gradients-first,default,fill-waits", "gradients-first,default,bucket,unshard,fill-waits",
+                 "unorder-reduce-scatters,gradients-first,default,fill-waits")
 #: the peers a capped row is made for, in table order
 CAP_PEERS = ("inductor", "inductor-bucketing", "torchtitan-autobucketing", "torchtitan")
 #: the joint-bucketing peer whose exposed communication the issue's second goal compares with
@@ -44,6 +48,13 @@ def score_scheduled(original: Program, scheduled: Program, model, broken_rules) 
     peers are; legal when it verifies and keeps the original program's rules between the nodes
     both have (`broken_rules(original, names)`: bench_schedules' rule count)."""
     sim = simulate(scheduled, costs=op_costs(scheduled, model))
+    # reduce-scatters a pipeline marked unordered (unorder-reduce-scatters) are held to the
+    # original's rules with the same marks: its collective-order edges redone for them
+    marked = [n for n in scheduled.schedule.names() if n in original.graph
+              and isinstance(op := scheduled.op(n), Launch) and op.unordered]
+    if marked:
+        original = original.copy()
+        Rewriter(original).unorder(marked)
     problems = dict(broken_rules(original, scheduled.schedule.names()))
     try:
         verify(scheduled)

@@ -19,7 +19,7 @@ from __future__ import annotations
 import attrs
 
 from ..ir import Compute, CopyOut, Launch, Phase, Program, TensorType, View, Wait
-from ..ir.rewriter import Call, Operand, Rewriter
+from ..ir.rewriter import Call, Operand, Rewriter, RewriteError
 
 GATHER_OP = "all_gather_into_tensor.default"
 REDUCE_SCATTER_OP = "reduce_scatter_tensor.default"
@@ -131,6 +131,12 @@ def _merge_reduce_scatters(program: Program, rw: Rewriter, members: list[Member]
     ranks, dtype, phase = last.group_size, last.types[0].dtype, last.phase
     total = sum(m.numel for m in members)
     skip = {n for m in members for n in (m.launch, m.wait)}
+    # unordered members (unorder-reduce-scatters) make an unordered bucket, which their relaxed
+    # collective-order edges fit; a bucket of ordered and unordered ones would need edges to the
+    # other unordered ones that none of its members has
+    unordered = {program.op(m.launch).unordered for m in members}
+    if len(unordered) > 1:
+        raise RewriteError(f"bucket %{name}: its reduce-scatters differ in collective order (unordered or not)")
     created = []
     rows = []
     for i, m in enumerate(members):
@@ -148,7 +154,7 @@ def _merge_reduce_scatters(program: Program, rw: Rewriter, members: list[Member]
                      before=last.name, payload=Call("aten.view.default", (Operand(0), [ranks * total])))
     launch = rw.create(Launch(name=name, operands=(flat.name,), phase=phase, target=last.target,
                               types=(TensorType(dtype, (total,)),), group=last.group, group_size=ranks,
-                              role=last.role, reduce_op=last.reduce_op, bucket=name,
+                              role=last.role, reduce_op=last.reduce_op, bucket=name, unordered=unordered.pop(),
                               params=tuple(p for m in members for p in program.op(m.launch).params)),
                        before=last.name, payload=Call(last.target, (Operand(0), last.reduce_op, ranks, last.group)))
     created += [*rows, pack.name, flat.name, launch.name]

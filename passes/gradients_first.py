@@ -14,6 +14,14 @@ edges) ahead of those it does not, keeping the order within each group. Legal by
 an ancestor's own predecessors are ancestors too (moved with it, in order) or sit before the
 window; what moves later loses no predecessor. It adds nothing and removes nothing.
 
+Where two reduce-scatters in a row are both `unordered` (`unorder-reduce-scatters`: their order
+is free), the later one goes first, with its ancestors, where by the cost model's times their
+collectives, queued on one stream, end sooner so (a bias's small gradient, traced after the
+matmul of its weight's: its reduce-scatter no longer queues behind the large one at the end;
+`swapped`). The region between the stop before the pair and the later launch is reordered as
+the later one's ancestors, it, the earlier one's other ancestors, it, the rest: legal as the
+windows are.
+
 A window moves only where something after the launch's ancestors has a cost (the cost model's
 times: otherwise the launch would issue no earlier). It runs first, so that the passes after it
 place the gathers for the compute order it leaves. It raises memory where the work it delays
@@ -54,23 +62,102 @@ class GradientsFirst(ModulePass):
                  if (isinstance(op, Launch) and op.role is Role.REDUCE_SCATTER) or isinstance(op, Barrier)]
         cap = getattr(ctx, "peak_cap", None)
         if cap is None or not cap.checks_moves:
-            moved = sum(_first(program, stop, ms) for stop in stops)
-            return PassResult(moved > 0, {"moved": moved})
+            moved = swapped = 0
+            for at in range(len(stops)):
+                took, swap = _step(program, stops, at, ms)
+                moved, swapped = moved + took, swapped + swap
+            return PassResult(moved + swapped > 0, {"moved": moved, "swapped": swapped})
         # checked: chunks of windows on a scratch order, each kept only if its peak fits
         limit = max(cap.limit_bytes, memory_profile(program).peak_bytes)  # an input over it may stay so
         size = max(1, math.ceil(len(stops) / CHUNKS))
-        moved = refused = 0
+        moved = swapped = refused = 0
         for at in range(0, len(stops), size):
-            trial = program.copy()
-            took = sum(_first(trial, stop, ms) for stop in stops[at:at + size])
-            if not took:
+            trial, trial_stops = program.copy(), list(stops)
+            took = swap = 0
+            for i in range(at, min(at + size, len(stops))):
+                t, w = _step(trial, trial_stops, i, ms)
+                took, swap = took + t, swap + w
+            if not took + swap:
                 continue
             if memory_profile(trial).peak_bytes > limit:
-                refused += took
+                refused += took + swap
                 continue
             program.schedule.adopt(trial.schedule)
-            moved += took
-        return PassResult(moved > 0, {"moved": moved, OVER_PEAK_CAP: refused})
+            stops[:] = trial_stops
+            moved, swapped = moved + took, swapped + swap
+        return PassResult(moved + swapped > 0, {"moved": moved, "swapped": swapped, OVER_PEAK_CAP: refused})
+
+
+def _step(program: Program, stops: list[str], at: int, ms) -> tuple[int, int]:
+    """Stop `at`'s window (`_first`), then, where it and the stop before it are unordered
+    reduce-scatters, the two in whichever order ends their collectives sooner (`_swap`: `stops`
+    is updated). Returns (moved, swapped)."""
+    moved = _first(program, stops[at], ms)
+    swapped = 0
+    if at and _swap(program, stops[at - 2] if at >= 2 else None, stops[at - 1], stops[at], ms):
+        stops[at - 1], stops[at] = stops[at], stops[at - 1]
+        swapped = 1
+    return moved, swapped
+
+
+def _swap(program: Program, start: str | None, a: str, b: str, ms) -> bool:
+    """Launch reduce-scatter `b` before `a` (the stop before it), with `b`'s ancestors after
+    `start` (the stop before `a`, or None: the beginning) ahead of `a`'s, where both are
+    `unordered` (their order is free: `unorder-reduce-scatters`), `b` does not need `a`, and by
+    the cost model's times their collectives, queued on one stream, end sooner so: a trace often
+    computes a layer's last weight gradient (a matmul) before a small one (a bias's sum) whose
+    reduce-scatter then queues behind the large one's, exposed. Legal as `_first` is: the
+    region from `start` to `b` is reordered as `b`'s ancestors in it, `b`, `a`'s other
+    ancestors, `a`, the rest, each closed under its predecessors in the region and in its order.
+    Returns whether it moved them."""
+    node, pred, schedule = program.node_data, program.predecessors, program.schedule
+    op_a, op_b = node[a]["op"], node[b]["op"]
+    if not (isinstance(op_a, Launch) and isinstance(op_b, Launch) and op_a.unordered and op_b.unordered):
+        return False
+    begin = schedule.index(start) + 1 if start is not None else 0
+    end = schedule.index(b)
+    region = [schedule[i] for i in range(begin, end + 1)]
+    fixed = [i for i, n in enumerate(region) if not node[n]["op"].MOVABLE]  # inputs, markers, opaque ops
+    if fixed:  # the region starts after the last (what it orders stays on its side)
+        region = region[fixed[-1] + 1:]
+        if a not in region:
+            return False
+    inside = set(region)
+
+    def ancestors(of):
+        found, stack = set(), [of]
+        while stack:
+            for p in pred[stack.pop()]:
+                if p in inside and p not in found:
+                    found.add(p)
+                    stack.append(p)
+        return found
+
+    of_b = ancestors(b)
+    if a in of_b:
+        return False
+    of_a = ancestors(a) - of_b
+
+    def cost(names):
+        return sum(ms.get(n, 0.0) for n in names if not isinstance(node[n]["op"], Launch))
+
+    # now: a launches after its ancestors (overlap-reduce-scatter hoists each launch to its
+    # latest predecessor), b after what precedes a and b's own ancestors after a
+    t_a, t_b = ms.get(a, 0.0), ms.get(b, 0.0)
+    launch_a = cost(ancestors(a))
+    at_a = region.index(a)
+    launch_b_now = cost(region[:at_a]) + cost(n for n in region[at_a + 1:] if n in of_b)
+    now = max(launch_a + t_a, launch_b_now) + t_b
+    launch_b = cost(of_b)
+    swapped = max(launch_b + t_b, launch_b + cost(of_a)) + t_a
+    if swapped >= now:
+        return False
+    first = [n for n in region if n in of_b] + [b] + [n for n in region if n in of_a] + [a]
+    rest = [n for n in region if n not in of_a and n not in of_b and n not in (a, b)]
+    if region == first + rest:
+        return False
+    schedule.move_before(first + rest, schedule[end + 1])  # b is never last: its wait follows it
+    return True
 
 
 def _first(program: Program, stop: str, ms) -> int:

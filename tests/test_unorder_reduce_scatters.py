@@ -172,3 +172,121 @@ def test_collective_order_is_linear():
         + [("a1", attrs.evolve(ar, name="a1"))]
     edges = collective_order(seq)
     assert len(edges) == 100 and ("a0", "r7") in edges and ("r7", "a1") in edges
+
+
+# ---- on real graphs: bucketed, scheduled, run on two gloo ranks ------------------------------
+
+UNORDERED = ("unorder-reduce-scatters,gradients-first,default,fill-waits",
+             "unorder-reduce-scatters,gradients-first,default,bucket,unshard,fill-waits")
+
+
+def _encoder(width=32):
+    import torch  # noqa: F401  (the models are torch modules)
+
+    from fxsched.front import fsdp_joint_graph
+    from fxsched.models import build_model
+
+    module, inputs, loss = build_model("encoder", layers=2, width=width, seed=1)
+    return fsdp_joint_graph(module, inputs, lambda m, *xs: loss(m(*xs), *xs), 2), module, inputs
+
+
+def _reduce_scatters(program) -> list[str]:
+    from fxsched.ir import Launch, Role
+
+    return [n for n in program.schedule.names()
+            if isinstance(op := program.op(n), Launch) and op.role is Role.REDUCE_SCATTER]
+
+
+def _reordered(before: list[str], after: list[str]) -> bool:
+    """Whether two of `before`'s reduce-scatters (present in `after`) ran the other way round."""
+    at = {n: i for i, n in enumerate(after)}
+    kept = [at[n] for n in before if n in at]
+    return kept != sorted(kept)
+
+
+def test_built_in_model_reorders_its_reduce_scatters_legally():
+    import fxsched
+    from fxsched.cost import Roofline, hardware
+    from fxsched.lowering import lower
+
+    front, _, _ = _encoder(1024)
+    traced = _reduce_scatters(lower(front.gm))
+    model = Roofline(hardware("h100"))
+    for text in UNORDERED:
+        done = fxsched.schedule(front.gm, text, cost_model=model)
+        verify(done.program)
+        assert _reordered(traced, _reduce_scatters(done.program)), text
+    # without it: the traced order
+    done = fxsched.schedule(front.gm, "gradients-first,default,fill-waits", cost_model=model)
+    assert not _reordered(traced, _reduce_scatters(done.program))
+
+
+def _schedule_on_rank(rank, world_size, pipelines):
+    """On one rank: build and schedule the graph itself (as every rank of a job does), check the
+    ranks agree on the collective order, run it; its outputs and fingerprints."""
+    import torch
+
+    import fxsched
+    from fxsched.runtime.agreement import check_ranks_agree
+
+    from ranks import rank_feeds
+
+    torch.set_num_threads(1)
+    front, module, inputs = _encoder()
+    feeds = rank_feeds(front, module, inputs)[rank]
+    out = {"outputs": [], "fingerprints": []}
+    for gm in [front.gm] + [fxsched.schedule(front.gm, p).graph_module for p in pipelines]:
+        out["fingerprints"].append(check_ranks_agree(gm))
+        torch.manual_seed(0)
+        with torch.no_grad():
+            result = gm(*[t.clone() if isinstance(t, torch.Tensor) else t for t in feeds])
+        out["outputs"].append([t.detach() for t in result])
+    return out
+
+
+def test_unordered_schedules_are_bitwise_equal_and_agreed_on_two_ranks():
+    import torch
+
+    import fxsched
+    from fxsched.runtime import run_ranks
+
+    front, _, _ = _encoder()
+    traced = _reduce_scatters(fxsched.schedule(front.gm, "").program)
+    for text in UNORDERED:  # the schedules the ranks run do reorder reduce-scatters
+        program = fxsched.schedule(front.gm, text).program
+        assert _reordered(traced, _reduce_scatters(program)), text
+    # and the second buckets some of them: a bucket of unordered ones is unordered
+    assert any(program.op(n).bucket and program.op(n).unordered for n in _reduce_scatters(program))
+    results = run_ranks(_schedule_on_rank, 2, args=(UNORDERED,), timeout=600)
+    # each rank scheduled the graph itself; they agreed (check_ranks_agree raises otherwise) on a
+    # fingerprint that is the same on both and differs from the traced order's
+    first = results[0]["fingerprints"]
+    assert results[1]["fingerprints"] == first and first[0] not in first[1:]
+    for rank, r in enumerate(results):
+        reference = r["outputs"][0]
+        for j, outputs in enumerate(r["outputs"][1:]):
+            assert len(outputs) == len(reference)
+            for a, b in zip(reference, outputs):
+                assert a.dtype == b.dtype and torch.equal(a, b), f"rank {rank}: {UNORDERED[j]} differs"
+    assert not torch.equal(results[0]["outputs"][0][0], results[1]["outputs"][0][0])  # different data
+
+
+def test_a_bucket_of_unordered_ones_is_unordered_and_a_mixed_one_refused():
+    from fxsched.passes.bucket_merge import Member, merge
+
+    def members(program):
+        return [Member(launch=f"rs{i}", wait=f"w{i}", source=f"g{i}", cast=None, numel=4, nbytes=32, shape=(4,))
+                for i in (1, 2)]
+
+    text = TEXT.replace("%g1 = compute \"c\"(%x, %agw)", "%g1 = compute \"c\"(%x, %agw) : f32[8]").replace(
+        "%g2 = compute \"c\"(%g1)", "%g2 = compute \"c\"(%g1) : f32[8]").replace(
+        'role = fsdp_reduce_scatter}', 'role = fsdp_reduce_scatter, group_size = 2} : f32[4]')
+    program = parse_program(text)
+    Rewriter(program).unorder(["rs1", "rs2", "rs3", "rs4", "rs5"])
+    merge(program, members(program), "reduce-scatter", "b")
+    verify(program)
+    assert program.op("b").unordered and program.graph.has_edge("b", "ar")  # still before the all-reduce
+    program = parse_program(text)
+    Rewriter(program).unorder(["rs2"])
+    with pytest.raises(RewriteError, match="differ in collective order"):
+        merge(program, members(program), "reduce-scatter", "b")
