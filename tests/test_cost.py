@@ -243,3 +243,33 @@ def test_derating_and_launch_override():
     assert half.op_ms(p.op("mm"), p) == pytest.approx(2 * 4.194304e-3)
     assert isinstance(half, CostModel) and math.isclose(half.overhead_ms, 0.0)
     assert attrs.evolve(TOY, launch_us=2.0).launch_us == 2.0
+
+
+def test_roofline_prices_alike_ops_once_and_only_alike_ones():
+    """op_costs prices ops alike for the roofline (kind, target, group size, nbytes, own and
+    operand type tuples) once: each cost is what the op's own op_ms says, also where two ops
+    share their result's type tuple (as lowering makes them) but read operands of other types."""
+    program = ir("""
+        %a = input : f32[128,64]
+        %b = input : f32[64,256]
+        %c = input : f32[128,32]
+        %d = input : f32[32,256]
+        ^entry
+        %m1 = compute "aten.mm.default"(%a, %b) {heavy} : f32[128,256]
+        %m2 = compute "aten.mm.default"(%c, %d) {heavy} : f32[128,256]
+        %m3 = compute "aten.mm.default"(%a, %b) {heavy} : f32[128,256]
+        %ag = launch "all_gather_into_tensor"(%a) {group = "0", group_size = 2} : f32[256,64]
+        %ag2 = launch "all_gather_into_tensor"(%a) {group = "0", group_size = 4} : f32[256,64]
+        %w = wait "wait_tensor"(%ag) : f32[256,64]
+        %w2 = wait "wait_tensor"(%ag2) : f32[256,64]
+        %output = output(%m1, %m2, %m3, %w, %w2)
+    """)
+    m1, ag = program.op("m1"), program.op("ag")
+    for name in ("m2", "m3"):  # one result type tuple, as lowering makes one per dtype and shape
+        program.replace(attrs.evolve(program.op(name), types=m1.types))
+    program.replace(attrs.evolve(program.op("ag2"), types=ag.types))
+    model = Roofline(TOY)
+    costs = op_costs(program, model)
+    assert costs == {op.name: model.op_ms(op, program) if op.KIND in ("compute", "launch") else 0.0
+                     for op in program.ops()}
+    assert costs["m2"] != costs["m1"] == costs["m3"] and costs["ag2"] != costs["ag"]
