@@ -5,7 +5,7 @@ tests' input, and they carry what the built-in models do not: barrier layers tha
 running-mean buffer, FSDP buckets with copy-outs, mixed precision, no reshard after forward,
 gathers of unknown size. The property tests check the rules each schedule keeps; this runs the
 scheduled graphs — the reference, the default, the rewrites (unshard, bucket) and two pipelines
-that also reorder compute, capped and not — on real tensors and compares every output (the loss and
+that also reorder compute, capped and not, one with FSDP's reduce-scatters reordered — on real tensors and compares every output (the loss and
 each reduce-scattered gradient shard) bitwise with the graph as generated. All graphs run in one
 spawn.
 """
@@ -29,8 +29,11 @@ OPTIONS = [
 PIPELINES = ["reference", "default", "rewrite", "memory-cap,gradients-first,default,unshard,bucket,fill-waits",
              # the peer-cap benchmark's: fill-waits after bucket moved a bucket's pack of shards into
              # the forward (a created op had no phase edge) on the first and last option sets
-             "gradients-first,default,bucket,unshard,fill-waits"]
-REWRITES = ("unshard", "bucket", "gradients-first", "fill-waits")
+             "gradients-first,default,bucket,unshard,fill-waits",
+             # FSDP's reduce-scatters in an order of their own (gradients-first swaps them, bucket
+             # packs them): the same gradients
+             "unorder-reduce-scatters,gradients-first,default,bucket,unshard,fill-waits"]
+REWRITES = ("unshard", "bucket", "gradients-first", "fill-waits", "unorder-reduce-scatters")
 
 
 def _feeds(gm, seed: int) -> list[list[torch.Tensor]]:
@@ -53,7 +56,7 @@ def scheduled():
             done.graph_module.graph.lint()
             for key, stats in done.result.stats().items():
                 if key.split("{")[0] in REWRITES:
-                    count = stats.get("unsharded", stats.get("buckets", stats.get("moved", 0)))
+                    count = stats.get("unsharded", stats.get("buckets", stats.get("moved", stats.get("unordered", 0))))
                     taken[key.split("{")[0]] = taken.get(key.split("{")[0], 0) + count
         cases.append((str(options), gm, runs, _feeds(gm, options["seed"])))
     return cases, taken
