@@ -128,6 +128,7 @@ class _Target(NamedTuple):
     clone: bool  # aten.clone.default (a bucket's copy-out when tagged so)
     heavy: bool
     attention: bool
+    undeclared: tuple[tuple[int, str], ...]  # (position, name) of what a Python batch norm writes (`UNDECLARED_WRITES`)
     inplace_at: int | None  # position of a Python function's `inplace` parameter (`F.relu(x, True)`)
     side_effect: bool  # a Python call into torch.distributed (`dist.all_reduce`, `dist.send`): communication fx cannot see
     group_at: int | None  # position of the `group_name` argument, if the schema has one
@@ -244,10 +245,33 @@ def _python_random(name: str) -> bool:
     return any(torch.Tag.nondeterministic_seeded in getattr(packet, o).tags for o in packet.overloads())
 
 
+def _updates_running_stats(module) -> bool:
+    """A batch or instance norm in training mode that tracks running statistics: its call writes
+    its `running_mean`, `running_var` and `num_batches_tracked` (symbolic_trace keeps it a call_module)."""
+    return (isinstance(module, torch.nn.modules.batchnorm._NormBase) and module.training
+            and module.track_running_stats)
+
+
 def _random_module(module) -> bool:
     """A module whose forward draws from the RNG: a dropout (even in eval mode: ordering a call
     that does not draw only costs freedom), or RReLU."""
     return isinstance(module, (torch.nn.modules.dropout._DropoutNd, torch.nn.RReLU))
+
+
+def _undeclared_at(target, short: str) -> tuple[tuple[int, str], ...]:
+    """(position, name) of the arguments a Python call named like one of `UNDECLARED_WRITES`
+    (`F.batch_norm`, `torch.batch_norm`, `F.instance_norm`: what dynamo records) writes: by its
+    Python signature, or, for a builtin without one, by aten's schema of that name."""
+    names = UNDECLARED_WRITES.get(f"aten::{short}")
+    if not names:
+        return ()
+    try:
+        arguments = list(inspect.signature(target).parameters)
+    except (TypeError, ValueError):
+        packet = getattr(torch.ops.aten, short, None)
+        overloads = packet.overloads() if isinstance(packet, torch._ops.OpOverloadPacket) else ()
+        arguments = [a.name for a in getattr(packet, overloads[0])._schema.arguments] if overloads else []
+    return tuple((arguments.index(name) if name in arguments else -1, name) for name in names)
 
 
 def _inplace_at(target) -> int | None:
@@ -327,6 +351,7 @@ def _classify(op: str, target) -> _Target:
         clone=call and target is torch.ops.aten.clone.default,
         heavy=call and is_heavy(name),
         attention=attention,
+        undeclared=_undeclared_at(target, short) if call and schema is None else (),
         inplace_at=_inplace_at(target) if call and schema is None else None,
         side_effect=call and schema is None and _distributed(module, short),
         group_at=arguments.index("group_name") if "group_name" in arguments else None,
@@ -568,6 +593,11 @@ class _Lowering:
             return tuple(names), (names[0] if names else None), False
         if isinstance(node.target, torch._ops.HigherOrderOperator):
             return self.hop_writes(node)
+        if info.undeclared:  # a batch norm called from Python updates its running stats
+            names = [n.name for at, name in info.undeclared
+                     for n in _node_operands(args[at] if 0 <= at < len(args) else kwargs.get(name))]
+            if names:
+                return tuple(dict.fromkeys(names)), None, False
         out = _node_operands(kwargs.get("out")) if info.known and node.op != "call_module" else ()
         if out:  # a Python call given `out=` (`torch.add(x, y, out=buf)`, `torch.max(x, 0, out=(v, i))`) writes it
             names = tuple(dict.fromkeys(n.name for n in out))
@@ -663,6 +693,11 @@ class _Lowering:
                   or (isinstance(node.target, torch._ops.HigherOrderOperator) and self.draws_inside(node)))
         if (unknown or not writes) and not random and self.impure(node):
             return Barrier.make(name, operands, phase, types, target=target, reason="side effect",
+                                heavy=info.heavy, attention=info.attention)
+        if kind == "call_module" and _updates_running_stats(self.gm.get_submodule(node.target)):
+            # the module writes its own buffers, which no operand names (get_attr nodes may read them,
+            # a second call of it writes them again): ordered against everything
+            return Barrier.make(name, operands, phase, types, target=target, reason="module state",
                                 heavy=info.heavy, attention=info.attention)
         if unknown and writes:
             self.notes.append(f"%{node.name}: {target} is a call fxsched cannot see into: taken to write "

@@ -220,6 +220,24 @@ def test_manual_seed_between_draws_keeps_its_place():
     assert_every_legal_order_computes_the_same(gm, [torch.randn(4)])
 
 
+
+def test_python_batch_norms_update_their_running_stats():
+    """torch.compile's dynamo graph calls `F.batch_norm(x, running_mean, running_var, ..., True, ...)`
+    (and `torch.batch_norm`, `F.instance_norm`): Python calls with no schema, which were pure, so a
+    read of the running mean could cross the update. Built as dynamo records it."""
+    def build(g):
+        x, mean, var = g.placeholder("x"), g.placeholder("mean"), g.placeholder("var")
+        before = g.call_function(operator.mul, (mean, 1))
+        y = g.call_function(F.batch_norm, (x, mean, var, None, None, True, 0.1, 1e-5))
+        z = g.call_function(torch.batch_norm, (x, None, None, mean, var, True, 0.1, 1e-5, False))
+        i = g.call_function(F.instance_norm, (g.call_method("view", (x, 1, 3, 4)), mean, var), {"use_input_stats": True})
+        g.output((y, z, i, before, g.call_function(operator.add, (var, 0))))
+
+    gm = _graph(build)
+    program = lower(gm)
+    assert all(set(program.op(n).writes) == {"mean", "var"} for n in ("batch_norm", "batch_norm_1", "instance_norm"))
+    assert_every_legal_order_computes_the_same(gm, [torch.randn(4, 3), torch.randn(3), torch.rand(3)])
+
 # --------------------------------------------------------------------------- higher-order ops
 
 
@@ -296,3 +314,24 @@ def test_group_size_learnt_after_a_collective_that_does_not_say_it():
         g.output((g.call_function(c10d.wait_tensor.default, (scattered,)),))
 
     assert graph_group_names(_graph(build)) == {"tp": 2}
+
+
+def test_symbolic_trace_batch_norm_module_in_training_is_a_barrier():
+    """symbolic_trace keeps `self.bn(x)` a call_module, which writes the module's running stats
+    (no operand names them): a read of them through get_attr, or the order of two calls of the
+    module, was free."""
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.bn = nn.BatchNorm1d(3)
+
+        def forward(self, x, y):
+            before = self.bn.running_mean * 1
+            a = self.bn(x)
+            b = self.bn(y)
+            return a, b, before, self.bn.running_mean + 0, torch.neg(x)
+
+    gm = fx.symbolic_trace(Net())
+    program = lower(gm)
+    assert [op.reason for op in program.ops() if isinstance(op, Barrier)] == ["module state"] * 2
+    assert_every_legal_order_computes_the_same(gm, [torch.randn(4, 3), torch.randn(4, 3)])
