@@ -24,16 +24,19 @@ that op a trial does not step the stretch op by op either (`_Walk`): a run of la
 stream is stepped at once (back to back from max(compute time, stream), its ends read off
 prefix sums where asked), and a stretch between two of the trial's own changes that launches
 on one stream at most and waits only on what was launched before the bucket's first slot is a
-max-plus map of the state before it, made once per bucket (`_SharedBaseSweep._piece`: the
-compute time max(t + a, b), the stream and each launch's end max(t + alpha, stream + beta,
-gamma), their tails at once): the generated graphs launch a forward's gathers back to back, or
-one per wait, and wait on them one by one, so a trial of K members costs about K such maps, not
-the ~2000 slots (30k generated) from its first launch to its last member's wait. What is left:
-those K maps per trial (a bucket's trials cost K^2 maps, where composing the ones a growing
-bucket shares would cost K); the program's own step, which a trial's is measured against, is
-still walked once per bucket made, from its first slot to its trial's end (the step does not
-depend on where it is read, so once between two makes); a stretch that launches on two streams
-is stepped op by op.
+max-plus map of the state before it (`_SharedBaseSweep._piece`: the compute time
+max(t + a, b), the stream and each launch's end max(t + alpha, stream + beta, gamma), their
+tails at once; passes/bucket_pieces.py), made once per bucket, its scan kept and gone on from
+for a longer piece from the same slot (also after a make, where no make since touched it), and
+made at once from each launch to one slot where a bucket's trials ask for ever shorter ones
+(`_suffixes`). The stretches a trial jumps in a row are one composed map (`_compose`), kept for
+the next trial from the same slot (`_chain`): the generated graphs launch a forward's gathers
+back to back, or one per wait, and wait on them one by one, so a growing bucket's trial jumps
+its last trial's chain and one more stretch, not K maps (a bucket's trials cost ~K maps, not
+K^2). What is left: each trial still sorts its K members' slots and walks its own ops; the
+program's own step, which a trial's is measured against, is still walked once per bucket made,
+from its first slot to its trial's end (the step does not depend on where it is read, so once
+between two makes); a stretch that launches on two streams is stepped op by op.
 """
 
 from __future__ import annotations
@@ -51,6 +54,7 @@ from ..ir import EFFECT, Free, Program, View, Wait
 from ..ir.effects import storage_readers, storage_root
 from ..ir.rewriter import RewriteError
 from .bucket_merge import Member, flat_source, gather_bucket_ops, member_outputs, merge
+from .bucket_pieces import _compose, _Piece, _Scan
 from .maxtree import MaxTree
 
 
@@ -313,7 +317,7 @@ class _SharedBaseSweep(Sweep):
             if lo < i:
                 m = pieces.get((lo, i))
                 if m is None:
-                    m = pieces[(lo, i)] = self._piece(lo, i)
+                    m = self._asked(qb, lo, i)
             walk_i = i != x and (order[i] in before or order[i] in cur_before or order[i] not in skip)
             if m is False or walk_i or i == x:
                 if chain is not None:
@@ -358,6 +362,46 @@ class _SharedBaseSweep(Sweep):
             kept = chains.get(first)
             if kept is None or len(kept[0]) < p - start:
                 chains[first] = (touched[start:p], chain[2], lo)
+
+    def _asked(self, qb: _Walk, lo: int, hi: int):
+        """The piece [lo, hi) for a trial from `qb.at` (`qb.pieces` has not got it). The second
+        first slot asked for one last slot makes the pieces from each slot just after a launch
+        between them to it at once (`_suffixes`): a bucket whose members launch one per wait,
+        well before its first member's wait, asks for [just after its last member's launch,
+        that wait) in each trial, each a few launches shorter than the last (2700 slots each at
+        30k nodes: most of what the pieces scanned, once kept scans went on across makes)."""
+        first = qb.asked.setdefault(hi, lo)
+        if first < lo and hi not in qb.suffixed:
+            qb.suffixed.add(hi)
+            self._suffixes(qb, lo, hi)
+            m = qb.pieces.get((lo, hi))
+            if m is not None:
+                return m
+        m = qb.pieces[(lo, hi)] = self._piece(lo, hi)
+        return m
+
+    def _suffixes(self, qb: _Walk, lo: int, hi: int) -> None:
+        """The pieces [s, hi) for `lo` and each slot s in (lo, hi) just after a launch, into
+        `qb.pieces`: the pieces between two of them, then each from the last, composed
+        (`_compose`; its launches' ends are composed only where asked: `_Launches`). A piece
+        that is False makes every one before it False, as a scan of one would stop there too
+        (a wait on a collective not stepped yet, a second stream), and so does a composition
+        of two on two streams. One scan of the stretch, and a composition per slot."""
+        live, order, steps, cur_skip = self.live, self.order, self.steps, self.skip
+        splits = [lo]
+        for j in range(bisect_left(live, lo), len(live)):
+            i = live[j]
+            if i + 1 >= hi:
+                break
+            if steps[order[i]][0] == LAUNCH and order[i] not in cur_skip:
+                splits.append(i + 1)
+        pieces, pending = qb.pieces, self.clock.pending
+        rest = pieces[(splits[-1], hi)] = self._piece(splits[-1], hi)
+        for k in range(len(splits) - 2, -1, -1):
+            if rest is not False:
+                sub = self._piece(splits[k], splits[k + 1])
+                rest = False if sub is False else _compose(sub, rest, pending, lazy=True) or False
+            pieces[(splits[k], hi)] = rest
 
     def _piece(self, lo: int, hi: int):
         """Slots [lo, hi) of the program as it is, as maps of the state before them (`_Piece`):
@@ -614,94 +658,6 @@ class _SharedBaseSweep(Sweep):
         return state[i]
 
 
-@attrs.frozen
-class _Piece:
-    """A stretch of the program as it is, as maps of the state before it (`_SharedBaseSweep._piece`):
-    the compute time max(t + a, b); the one stream it launches on (None: none) max(t + fa,
-    stream + fb, fc), and each launch's end (name -> (alpha, beta, gamma, gathered bytes)); its
-    launches' largest end + tail (`tails`, the three terms); the collectives in flight before it
-    that it waits; the highest the gathered bytes in flight rise over it (from 0)."""
-
-    a: float
-    b: float
-    waited: tuple
-    stream: object
-    fa: float
-    fb: float
-    fc: float
-    launches: dict = attrs.field(eq=False)
-    tails: tuple
-    high: int
-    rise: int  # the gathered bytes its launches add (the sum over `launches`: a jump adds it at once)
-    #: a chain of pieces made one (`_compose`): the gathered bytes of its waits (each in flight
-    #: since before the trials' first slot), and whether a jump of any of them moves the level
-    #: (None: a piece, whose jump sees that itself)
-    drop: int = 0
-    resets: object = None
-
-
-def _compose(first: _Piece, then: _Piece, pending: dict) -> _Piece | None:
-    """The stretch of `first` then `then` as one `_Piece`, or None where they launch on two
-    streams. Max-plus maps compose: t -> max(t + a, b) after t -> max(t + a', b') is
-    t -> max(t + a' + a, max(b' + a, b)), and likewise the stream and each launch's end, which
-    read the compute time and the stream as they are after `first`. The same figures as
-    jumping the two in turn, but for rounding (sums added in another order: ~1e-15 of the step,
-    where `settle` lets the exact sweep decide anything within NEAR_MS). A jump pops the
-    collectives a piece waits from the trial's in-flight set; each is in flight in the sweep's
-    clock (where the piece found it) and waited nowhere else, so it pops `pending`'s bytes."""
-    if first.stream is None:
-        stream = then.stream
-    elif then.stream is None or then.stream == first.stream:
-        stream = first.stream
-    else:
-        return None
-    a, b, fa, fb, fc = first.a, first.b, first.fa, first.fb, first.fc   # (no stream: -inf, 0.0, -inf)
-
-    def after(la, lb, lc):  # max(t1 + la, s1 + lb, lc), t1 and s1 as `first` leaves them
-        return max(a + la, fa + lb), fb + lb, max(b + la, fc + lb, lc)
-
-    if then.stream is None:
-        sa, sb, sc = fa, fb, fc
-    else:
-        sa, sb, sc = after(then.fa, then.fb, then.fc)
-    launches = dict(first.launches)
-    for name, (la, lb, lc, extra) in then.launches.items():
-        launches[name] = (*after(la, lb, lc), extra)
-    ta, tb, tc = after(*then.tails)
-    tails = (max(first.tails[0], ta), max(first.tails[1], tb), max(first.tails[2], tc))
-    drops, resets = [], []
-    for piece in (first, then):
-        if piece.resets is None:
-            drop = sum(pending.get(n, 0) for n in piece.waited)
-            drops.append(drop)
-            resets.append(piece.rise - drop != 0 or piece.high != 0)
-        else:
-            drops.append(piece.drop)
-            resets.append(piece.resets)
-    high = max(first.high, first.rise - drops[0] + then.high)
-    then_b = b + then.a
-    return _Piece(a + then.a, then_b if then_b > then.b else then.b, first.waited + then.waited, stream, sa, sb, sc,
-                  launches, tails, high, first.rise + then.rise, drops[0] + drops[1], resets[0] or resets[1])
-
-
-class _Scan:
-    """`_SharedBaseSweep._piece`'s scan of slots [lo, hi), as far as it went, to go on from:
-    the `_Piece` terms so far and the in-flight level; `makes`: how many of the sweep's makes
-    it is known to hold after; `false`: the piece is False from `hi` on."""
-
-    __slots__ = ("lo", "hi", "makes", "false", "a", "b", "waited", "stream", "fa", "fb", "fc", "launches",
-                 "level", "high", "rise", "tails")
-
-    def __init__(self, lo: int, makes: int):
-        ninf = -math.inf
-        self.lo = self.hi = lo
-        self.makes, self.false = makes, False
-        self.a, self.b, self.waited = 0.0, ninf, []
-        self.stream, self.fa, self.fb, self.fc = None, ninf, 0.0, ninf
-        self.launches, self.level, self.high, self.rise = {}, 0, 0, 0
-        self.tails = [ninf, ninf, ninf]  # the largest end + tail of its launches (all pending after it)
-
-
 class _Walk:
     """A run of `Clock.step`'s rules over the program as the sweep has it (its skips and steps
     before) and a change (`skip`, `before`), from the sweep's clock at slot `at`: its compute
@@ -711,7 +667,7 @@ class _Walk:
     start plus the run's costs so far, `launch_sum`)."""
 
     __slots__ = ("sweep", "t", "free", "pending", "own", "shared", "runs", "level", "peak", "last", "at",
-                 "at_slot", "pieces", "chains", "jumped")
+                 "at_slot", "pieces", "chains", "asked", "suffixed", "jumped")
 
     def __init__(self, sweep: _SharedBaseSweep, clock: Clock, at: int):
         self.sweep, self.at, self.at_slot = sweep, at, at
@@ -720,6 +676,8 @@ class _Walk:
             clock.ends, []
         self.pieces: dict = {}  # (lo, hi) -> `_SharedBaseSweep._piece` of it, for the trials from `at`
         self.chains: dict = {}  # first slot -> (touched slots, map, end slot): see `_SharedBaseSweep._chain`
+        self.asked: dict = {}   # last slot -> the first slot of the first piece asked for to it (see `_asked`)
+        self.suffixed: set = set()  # last slots whose pieces from each launch are made (see `_suffixes`)
         self.jumped: list = []  # [piece, t before it, its stream before it, its launches since waited]
 
     def jump(self, piece: _Piece) -> None:

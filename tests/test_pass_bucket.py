@@ -737,3 +737,49 @@ def test_a_composed_chain_jumps_as_its_pieces_jumped_in_turn(data):
     def tail(w):
         return max([max(t + p.tails[0], f + p.tails[1], p.tails[2]) for p, t, f, _ in w.jumped], default=ninf)
     assert tail(both) == pytest.approx(tail(one), abs=1e-12)
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_pieces_made_from_each_launch_to_one_slot_are_the_pieces_scanned(seed):
+    """`_SharedBaseSweep._suffixes`: the pieces [s, hi) it makes at once for every slot s just
+    after a launch (each the piece between two of them composed with the one from the next) are
+    the pieces a scan of [s, hi) makes, up to rounding (1e-9 ms), their launches' ends too (read
+    where asked, through `_Launches`); and the pass does make them on a generated graph."""
+    import math
+
+    from fxsched.passes import bucket_trials
+
+    made, bad = [], []
+
+    def close(x, y):
+        return x == y or (math.isfinite(x) and math.isfinite(y) and abs(x - y) <= 1e-9)
+
+    class Checked(bucket_trials._SharedBaseSweep):
+        def _suffixes(self, qb, lo, hi):
+            super()._suffixes(qb, lo, hi)
+            for (s, h), got in list(qb.pieces.items()):
+                if h != hi or s < lo:
+                    continue
+                made.append((s, h))
+                fresh = bucket_trials._Scan(s, len(self.makes))
+                self._scan(fresh, h)
+                if fresh.false or got is False:
+                    if not (fresh.false and got is False):
+                        bad.append((s, h, got, "false"))
+                    continue
+                scalars = [(got.a, fresh.a), (got.b, fresh.b), (got.fa, fresh.fa), (got.fb, fresh.fb),
+                           (got.fc, fresh.fc), *zip(got.tails, fresh.tails)]
+                ends = dict(got.launches)
+                same = (all(close(x, y) for x, y in scalars) and got.stream == fresh.stream
+                        and got.waited == tuple(fresh.waited) and (got.high, got.rise) == (fresh.high, fresh.rise)
+                        and ends.keys() == fresh.launches.keys()
+                        and all(close(x, y) for n in ends for x, y in zip(ends[n], fresh.launches[n]))
+                        and all(got.launches.get(n) == ends[n] for n in ends))
+                if not same:
+                    bad.append((s, h, got, fresh))
+
+    program = lower(generate_graph(4000, seed=seed))
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(bucket_trials, "_SharedBaseSweep", Checked)
+        PassManager("default,bucket").run(program)
+    assert made and not bad, (len(made), bad[:2])
