@@ -38,7 +38,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 import fxsched
 from fxsched.front.generate import generate_graph, min_nodes
-from fxsched.ir import (Barrier, Compute, CopyOut, Free, Input, Launch, Marker, Output, ParseError, Phase, View,
+from fxsched.ir import (Barrier, Compute, CopyOut, Free, Input, Launch, Marker, Output, ParseError, Phase, Role, View,
                         VerifyError, Wait, parse_program, print_program, verify)
 from fxsched.lowering import lower
 from fxsched.passes import DEFAULT_PIPELINE, REFERENCE_PIPELINE, PassManager
@@ -88,6 +88,22 @@ def _wait(node: fx.Node) -> bool:
 def _gather(node: fx.Node) -> bool:
     return (_collective(node) and _schema(node).name.endswith("::all_gather_into_tensor")
             and node.meta.get("comm_type") in GATHER_TAGS)
+
+
+def _group(node: fx.Node):
+    """A collective's process group name (its `group_name` argument), None if it has none."""
+    for at, argument in enumerate(_schema(node).arguments):
+        if argument.name == "group_name":
+            return node.args[at] if at < len(node.args) else node.kwargs.get("group_name")
+    return None
+
+
+def _keeps_order(names: list[str], pos: dict[str, int], free) -> None:
+    """Every pair of `names` (in their order before) is in that order at `pos`, unless
+    `free(x, y)` (two unordered reduce-scatters of one group)."""
+    for i, x in enumerate(names):
+        for y in names[i + 1:]:
+            assert pos[x] < pos[y] or free(x, y), f"collectives %{x} and %{y} changed their order"
 
 
 def _free(node: fx.Node) -> bool:
@@ -269,13 +285,15 @@ def budget_sweep(after: FxFacts, early: set[str], sizes: dict[str, int]) -> int:
 
 
 def check_fx_schedule(original: fx.GraphModule, scheduled: fx.GraphModule, limit: int | None,
-                      prefetched: set[str] | None = None, *, compute_moves: bool = False
-                      ) -> tuple[FxFacts, FxFacts, set[str]]:
+                      prefetched: set[str] | None = None, *, compute_moves: bool = False,
+                      unordered: set[str] = frozenset()) -> tuple[FxFacts, FxFacts, set[str]]:
     """Every property of a schedule of `original`; `limit`: the budget in bytes (None: no budget
     pass); `prefetched`: the gathers the program says it moved (None: unknown). `compute_moves`:
     the pipeline reorders compute (gradients-first, fill-waits), so a node that went from before a
     gather's launch to after it does not mean the gather was prefetched: the early-gather and
-    budget checks are left out, every rule before them holds still."""
+    budget checks are left out, every rule before them holds still. `unordered`: the
+    reduce-scatters the program marked unordered (`unorder-reduce-scatters`): two of one group may
+    swap (each must be an FSDP reduce-scatter of a known group)."""
     scheduled.graph.lint()
     before, after = FxFacts(original), FxFacts(scheduled)
     assert sorted(before.pos) == sorted(after.pos), "the node set changed"
@@ -343,7 +361,13 @@ def check_fx_schedule(original: fx.GraphModule, scheduled: fx.GraphModule, limit
                 [n.name for n in facts.nodes
                  if isinstance(n.target, torch._ops.OpOverload) and torch.Tag.nondeterministic_seeded in n.target.tags])
 
-    assert fixed_order(before) == fixed_order(after), "collectives or random ops changed their order"
+    collectives, randoms = fixed_order(before)
+    assert randoms == fixed_order(after)[1], "random ops changed their order"
+    nodes = {n.name: n for n in before.nodes}
+    for name in unordered:
+        assert nodes[name].meta.get("comm_type") == "fsdp_reduce_scatter" and _group(nodes[name]) is not None, name
+    _keeps_order(collectives, after.pos, lambda x, y: x in unordered and y in unordered
+                 and _group(nodes[x]) == _group(nodes[y]))
     if compute_moves:
         return before, after, set()
 
@@ -774,7 +798,13 @@ def check_ir_schedule(before_program, after_program, limit: int | None, *, compu
         return ([n for n in facts.order if isinstance(facts.ops[n], Launch) and not facts.ops[n].is_gather],
                 [n for n in facts.order if isinstance(facts.ops[n], Compute) and facts.ops[n].random])
 
-    assert ordered(before) == ordered(after), "collectives or random ops changed their order"
+    launches, randoms = ordered(before)
+    assert randoms == ordered(after)[1], "random ops changed their order"
+    marked = {n for n, op in after.ops.items() if isinstance(op, Launch) and op.unordered}
+    for name in marked:  # only FSDP's reduce-scatters of a known group
+        assert after.ops[name].role is Role.REDUCE_SCATTER and after.ops[name].group is not None, name
+    _keeps_order(launches, after.pos, lambda x, y: x in marked and y in marked
+                 and after.ops[x].group == after.ops[y].group)
     if compute_moves:
         return set()
 

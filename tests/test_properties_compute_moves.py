@@ -18,7 +18,7 @@ from hypothesis import event, given, note
 from hypothesis import strategies as st
 
 import fxsched
-from fxsched.ir import parse_program, print_program, verify
+from fxsched.ir import Launch, parse_program, print_program, verify
 from fxsched.lowering import lower
 from fxsched.passes import PassManager
 from fxsched.passes.memory_cap import with_cap
@@ -31,14 +31,22 @@ from test_properties import (check_fx_schedule, check_ir_schedule, examples, gra
 @st.composite
 def compute_moving(draw) -> str:
     """A drawn pipeline of tests/test_properties.py with gradients-first before it and/or
-    fill-waits after it, sometimes under a peak-memory cap (the passes then check their moves)."""
+    fill-waits after it, sometimes under a peak-memory cap (the passes then check their moves),
+    sometimes after `unorder-reduce-scatters` (the checks then let two unordered reduce-scatters
+    of one group swap, and no other pair of collectives)."""
     middle, _ = draw(pipelines())
     where = draw(st.sampled_from(["first", "last", "both"]))
     text = ",".join((["gradients-first"] if where != "last" else []) + [middle]
                     + (["fill-waits"] if where != "first" else []))
+    if draw(st.integers(0, 2)) == 0:  # FSDP's reduce-scatters free among themselves (gradients-first swaps them)
+        text = "unorder-reduce-scatters," + text
     if draw(st.integers(0, 2)) == 0:
         text = with_cap(text, max_peak_increase_gb=0.0)
     return text
+
+
+def swapped(stats: dict[str, dict]) -> bool:
+    return any(s.get("swapped", 0) for name, s in stats.items() if name.split("#")[0].split("{")[0] == "gradients-first")
 
 
 def moved_compute(stats: dict[str, dict]) -> bool:
@@ -54,8 +62,11 @@ def test_generated_graphs_keep_every_rule_when_compute_moves(graph, text):
     with reproducer_on_failure("generated_graphs_compute_moves", lambda: print_program(lower(original)), text):
         done = fxsched.schedule(original, text)
         verify(done.program)
-        check_fx_schedule(original, done.graph_module, None, compute_moves=True)
+        unordered = {n for n in done.program.schedule.names()
+                     if isinstance(op := done.program.op(n), Launch) and op.unordered}
+        check_fx_schedule(original, done.graph_module, None, compute_moves=True, unordered=unordered)
     event(f"compute moved: {moved_compute(done.result.stats())}")
+    event(f"reduce-scatters swapped: {swapped(done.result.stats())}")
 
 
 @examples(120)
@@ -69,3 +80,4 @@ def test_ir_programs_keep_every_rule_when_compute_moves(text, pipeline):
         result = PassManager(pipeline, reproducer=True).run(after)
         check_ir_schedule(before, after, None, compute_moves=True)
     event(f"compute moved: {moved_compute(result.stats())}")
+    event(f"reduce-scatters swapped: {swapped(result.stats())}")
