@@ -36,7 +36,8 @@ GIB = 1 << 30
 # (passes/unorder_reduce_scatters.py): opt-in, right where every rank runs the same pipeline
 CAP_PIPELINES = ("default", "default,bucket", "default,unshard", "default,bucket,unshard",
                  "gradients-first,default,fill-waits", "gradients-first,default,bucket,unshard,fill-waits",
-                 "unorder-reduce-scatters,gradients-first,default,fill-waits")
+                 "unorder-reduce-scatters,gradients-first,default,fill-waits",
+                 "unorder-reduce-scatters,gradients-first,default,bucket,unshard,fill-waits")
 #: the peers a capped row is made for, in table order
 CAP_PEERS = ("inductor", "inductor-bucketing", "torchtitan-autobucketing", "torchtitan")
 #: the joint-bucketing peer whose exposed communication the issue's second goal compares with
