@@ -21,10 +21,32 @@ process; 2 cores shared with 3 other sessions, load ~6; the same schedule hashes
     bucket 1.33 / 6.90 / 49.0 s = 3.5x / 6.7x / 15.3x; unshard 0.30 / 1.01 / 3.42 s = 0.8x / 1.0x / 1.1x
     (default 0.38 / 1.03 / 3.21 s: the 10k row's default ran slow; bucket alone at 10k, 22:59 UTC: 5.9x)
   bucket + unshard at 100k: 16.4x the default's CPU (the switch rule asks <= ~2x).
+  2026-12-04 13:49-13:55 UTC, load 3-6, one run each, the default pipeline now faster (0.19 /
+  0.70 / 2.9-3.7 s), so the same pass times are larger ratios:
+    before kept scans and composed chains (9c05b08): bucket 1.08 / 5.37 / 61.0 s = 5.7x / 7.7x /
+    16.3x; unshard 0.25 / 0.96 / 4.91 s = 1.3x / 1.4x / 1.3x; bucket + unshard at 100k 17.6x
+    after (370af45): bucket 1.24 / 4.94 / 17.7 s = 6.1x / 6.7x / 6.1x; unshard 0.23 / 1.09 / 3.85 s
+    = 1.1x / 1.5x / 1.3x; bucket + unshard at 100k 7.4x (an earlier pair, 13:24-13:47 UTC, load
+    4-6: bucket at 100k 54.5 -> 26.3 s, 19.5x -> 9.7x). At 10k the two are within the noise of a
+    loaded machine (best of 4 in one process: 0.84-1.19 s either way); the gain grows with the
+    bucket sizes: the generated forward launches hundreds of gathers back to back, or one per
+    wait, so its buckets' trials were K^2 jumps and rescans.
 At 100k, before the base's step was taken once per make (f9c653e), 30 of bucket's 45 s were its
 quick trials, half of that the base walked again from each bucket's first slot (3606 first slots
-for 707 buckets); what is left there: the K jumps of each trial of a K-member bucket (K^2 per
-bucket), the trials' plans and checks, the merges and each run's setup (memory profile, tails).
+for 707 buckets). Since then a trial jumps its last trial's chain of stretches as one map, and
+pieces go on from kept scans (also across makes) or are made at once from each launch to a slot
+asked for twice; what is left is spread (cProfile at 100k, 32.6 s profiled, before the last of
+those, which cut the slots scanned from 5.8M to 3.3M): the quick trials 10.9 s (5.3 of it
+scanning pieces; their own walks, each trial sorting its K slots), the merges through the
+rewriter 6.2 s, each run's setup 4.8 s (three runs: a memory profile, keeper slots, steps, tails
+and stretches each), the reduce-scatter trials' whole plans 3.8 s, the max tree 1.7 s, the
+simulations before and after 1.4 s, the manager's verify 0.7 s.
+The generated graphs are communication-bound (10k: default step 14.9 ms, compute 4.4 ms; bucket
+takes it to 6.6 ms), so an early exit where the step already equals the compute stream's busy
+time would never be taken on them, nor on the built-in models (llama L2: 0.951 ms against 0.931
+of compute, and bucket changes nothing there; gpt and encoder are communication-bound) or on a
+generated graph made compute-bound (hidden 4096, seq 1024, batch 4: 3642.5 ms against 3627.4
+of compute); it is not implemented.
 """
 
 from __future__ import annotations
