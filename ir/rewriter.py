@@ -233,7 +233,7 @@ class Rewriter:
                     if (isinstance(op, Opaque) or (isinstance(op, Launch) and not op.is_gather))
                     and (op.group is None or op.group in groups)]
         members = {n for n, _ in affected}
-        old = [(u, v) for u in members for v, e in succ[u].items()
+        old = [(u, v) for u, _ in affected for v, e in succ[u].items()  # in schedule order: no hash order
                if v in members and e["kind"] == EFFECT and e["why"] == "collective-order"]
         marked = {op.name: attrs.evolve(op, unordered=True) for op in new}
         edges = collective_order([(n, marked.get(n, op)) for n, op in affected])

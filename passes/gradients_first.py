@@ -138,8 +138,9 @@ def _swap(program: Program, start: str | None, a: str, b: str, ms) -> bool:
         return False
     of_a = ancestors(a) - of_b
 
-    def cost(names):
-        return sum(ms.get(n, 0.0) for n in names if not isinstance(node[n]["op"], Launch))
+    def cost(names):  # summed in the region's order (a set's order is the hash seed's: ranks must agree)
+        names = set(names)
+        return sum(ms.get(n, 0.0) for n in region if n in names and not isinstance(node[n]["op"], Launch))
 
     # now: a launches after its ancestors (overlap-reduce-scatter hoists each launch to its
     # latest predecessor), b after what precedes a and b's own ancestors after a

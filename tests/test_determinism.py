@@ -40,6 +40,8 @@ PIPELINES = [
     "anchor{forward-depth=2,backward-depth=0,attention=false},prefetch,sink",
     "rewrite",  # the rewrites (unshard, bucket) name and place the ops they create
     "memory-cap,gradients-first,default,unshard,bucket,fill-waits",  # compute moves, checked against a cap
+    # reduce-scatters leave their traced order (gradients-first swaps them by summed costs)
+    "unorder-reduce-scatters,gradients-first,default,bucket,unshard,fill-waits",
 ]
 
 # Runs in a fresh interpreter; prints one JSON object: everything a schedule decides.
@@ -105,6 +107,7 @@ def test_same_schedule_under_different_hash_seeds():
     rewrite, moving = first["rewrite"]["report"]["passes"], first[PIPELINES[4]]["report"]["passes"]
     assert rewrite["bucket"]["buckets"] and rewrite["unshard"]["unsharded"]
     assert moving["gradients-first"]["moved"] and moving["fill-waits"]["moved"]
+    assert first[PIPELINES[5]]["report"]["passes"]["gradients-first"]["swapped"]
 
 
 def _with_tensor_parallel_all_reduces(gm: torch.fx.GraphModule, group: str) -> torch.fx.GraphModule:
