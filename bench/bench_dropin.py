@@ -13,7 +13,7 @@ Each row records a hash of the scheduled module's code (the schedule, byte for b
 Writes bench/out/dropin.{json,md}. Goal (issue 15): drop-in <= 2x one recompile at 18k and
 100k nodes. Latest run (main f8abbe7, 2026-12-04 13:48-13:50 UTC, 2-core machine shared at load
 average 3-5): 1.97x at 18k, met; 2.14x at 100k, missed (1.79x in a run at load 2-4: it holds at
-100k only on a quiet machine; README, "Speed").
+100k only on a quiet machine; README, "Speed"; history in docs/benchmarks.md).
 """
 
 from __future__ import annotations

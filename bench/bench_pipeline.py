@@ -19,7 +19,7 @@ reference and default pipelines at 100k nodes <= 0.75x FX's copy + lint + recomp
 time(100k) / time(10k) <= 12 for both. Latest run (main f8abbe7, 2026-12-04 13:43-13:48 UTC,
 2-core machine shared at load average 3-6.5): at 100k 0.55x (reference) and 0.73x (default) of
 FX's 6.10 s, met (the default's margin is small: runs under more load read it at 0.76-1.00);
-growth 13.1 / 13.4, missed (README, "Speed").
+growth 13.1 / 13.4, missed (README, "Speed"; history in docs/benchmarks.md).
 """
 
 from __future__ import annotations
