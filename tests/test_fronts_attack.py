@@ -14,6 +14,7 @@ import itertools
 import operator
 
 import networkx as nx
+import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -335,3 +336,76 @@ def test_symbolic_trace_batch_norm_module_in_training_is_a_barrier():
     program = lower(gm)
     assert [op.reason for op in program.ops() if isinstance(op, Barrier)] == ["module state"] * 2
     assert_every_legal_order_computes_the_same(gm, [torch.randn(4, 3), torch.randn(4, 3)])
+
+
+# --------------------------------------------------------------------------- end to end
+
+
+class _BatchNormNet(nn.Module):
+    """Linear -> BatchNorm (training) -> ReLU(inplace) -> Linear, plus a buffer updated in the forward."""
+
+    def __init__(self, width: int = 16):
+        super().__init__()
+        self.l1, self.bn, self.l2 = nn.Linear(width, width), nn.BatchNorm1d(width), nn.Linear(width, width)
+        self.relu = nn.ReLU(inplace=True)
+        self.register_buffer("ema", torch.zeros(width))
+
+    def forward(self, x):
+        h = self.relu(self.bn(self.l1(x)))
+        with torch.no_grad():
+            self.ema.mul_(0.9).add_(h.mean(0), alpha=0.1)
+        return (self.l2(h + self.ema) + self.bn.running_mean).square().sum()
+
+
+def _random_orders(program, count: int, seed: int) -> list[list[str]]:
+    """Seeded random topological orders of the program's graph (Kahn's, a random key per op)."""
+    import heapq
+    import random
+
+    graph, orders = program.graph, []
+    for k in range(count):
+        rng = random.Random(seed + k)
+        keys = {v: rng.random() for v in graph.nodes}
+        indegree = {v: graph.in_degree(v) for v in graph.nodes}
+        ready = [(keys[v], v) for v, d in indegree.items() if d == 0]
+        heapq.heapify(ready)
+        order = []
+        while ready:
+            _, v = heapq.heappop(ready)
+            order.append(v)
+            for s in graph.successors(v):
+                indegree[s] -= 1
+                if indegree[s] == 0:
+                    heapq.heappush(ready, (keys[s], s))
+        orders.append(order)
+    return orders
+
+
+def _run_each_on_fresh_buffers(rank, world_size, jobs):
+    """`ranks.run_all`, each graph on a copy of its module: the graphs write the buffers they share."""
+    from ranks import run_all
+
+    return run_all(rank, world_size, [(copy.deepcopy(gm), feeds) for gm, feeds in jobs])
+
+
+@pytest.mark.multirank
+def test_fsdp_front_graph_of_a_batch_norm_model_is_bitwise_in_legal_orders_on_two_ranks():
+    """fxsched's own FSDP front (make_fx) keeps a model's real buffers as get_attr constants, one per
+    use, and records `native_batch_norm`: before the get_attr aliases and the batch norm's writes,
+    most random legal orders of this graph computed other numbers on 2 gloo ranks."""
+    from fxsched.front import fsdp_joint_graph
+    from fxsched.runtime import run_ranks
+
+    from ranks import check_bitwise
+
+    torch.manual_seed(0)
+    module, x = _BatchNormNet(), torch.randn(8, 16)
+    front = fsdp_joint_graph(module, [x], lambda m, x: m(x), 2)
+    program = lower(front.gm)
+    jobs = [front.gm]
+    for order in _random_orders(program, 6, 0):
+        program.schedule = Schedule(order)
+        jobs.append(raise_program(program))
+    feeds = [front.shard_inputs(module, rank, [x + rank]) for rank in range(2)]
+    results = run_ranks(_run_each_on_fresh_buffers, 2, args=([(gm, feeds) for gm in jobs],), timeout=600)
+    check_bitwise(results, ["batch-norm net"], "a legal order", per_key=len(jobs))
