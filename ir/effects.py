@@ -247,12 +247,16 @@ def _storage_edges(program: Program, order: list[str], ops: list[Op]) -> None:
     readers: dict[str, list[str]] = {}
     freed: dict[str, str] = {}
     in_flight: dict[str, list[tuple[str, list[str]]]] = {}  # launch -> (storage it reads, readers then)
+    writing: dict[str, str] = {}  # storage -> the in-place collective writing it until its wait
     for name, op in zip(order, ops):
         operands = op.operands
         if not operands:
             continue
         if type(op) is Wait and op.launched_by in in_flight:
             _collective_read(program, name, op, op.launched_by, in_flight, roots, last_write, readers, freed)
+        if writing and type(op) is Wait:
+            for root in [r for r, launch in writing.items() if launch == op.launched_by]:
+                del writing[root]
         elif type(op) is Opaque and op.reason == WAIT_ON_NO_LAUNCH and (launch := roots[operands[0]][0]) in in_flight:
             # a wait on an opaque collective's result completes it: the same read
             _collective_read(program, name, op, launch, in_flight, roots, last_write, readers, freed)
@@ -274,6 +278,9 @@ def _storage_edges(program: Program, order: list[str], ops: list[Op]) -> None:
                     continue
                 raise EffectError(f"%{name} reads storage that %{freed[root]} freed before it "
                                   f"(use after free in the input graph)")
+            if writing and root in writing and not (type(op) is Wait and op.launched_by == writing[root]):
+                program.notes.append(f"%{name} reads storage the collective %{writing[root]} writes until its wait: "
+                                     "the input races with its collective (kept between them, as in the input)")
             writer = last_write.get(root)
             if writer is not None:
                 add_effect(writer, name, "storage")
@@ -303,6 +310,8 @@ def _storage_edges(program: Program, order: list[str], ops: list[Op]) -> None:
             last_write[root] = name
             if is_free:
                 freed[root] = name
+            if type(op) is Launch:  # an in-place collective (all_reduce_, an `out=` gather) writes until its wait
+                writing[root] = name
 
 
 def _collective_read(program: Program, name: str, op: Op, launch: str, in_flight: dict[str, list],

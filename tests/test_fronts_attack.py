@@ -409,3 +409,23 @@ def test_fsdp_front_graph_of_a_batch_norm_model_is_bitwise_in_legal_orders_on_tw
     feeds = [front.shard_inputs(module, rank, [x + rank]) for rank in range(2)]
     results = run_ranks(_run_each_on_fresh_buffers, 2, args=([(gm, feeds) for gm in jobs],), timeout=600)
     check_bitwise(results, ["batch-norm net"], "a legal order", per_key=len(jobs))
+
+
+def test_a_read_of_an_in_place_collectives_buffer_before_its_wait_is_noted():
+    """`all_reduce_(x)` writes x until its wait: a read of x between them races in the input, so what
+    it reads depends on timing (a fuzzed graph with such a read of an in-place `broadcast_` computed
+    other numbers on 2 gloo ranks under every pipeline, the legal orders moving the launch and the
+    wait); lowering now says so, naming both, as it did for a write."""
+    c10d = torch.ops._c10d_functional
+
+    def build(g):
+        x = g.placeholder("x")
+        launch = g.call_function(c10d.all_reduce_.default, (x, "sum", "0"))
+        racing = g.call_function(operator.mul, (x, 2))
+        g.call_function(c10d.wait_tensor.default, (launch,))
+        g.output((racing, g.call_function(operator.mul, (x, 3))))
+
+    notes = lower(_graph(build)).notes
+    assert [n for n in notes if "races" in n] == [
+        "%mul reads storage the collective %all_reduce__default writes until its wait: the input races with its "
+        "collective (kept between them, as in the input)"]
