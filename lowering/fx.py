@@ -437,6 +437,7 @@ class _Lowering:
         self.launch_writes: dict[str, tuple[str, ...]] = {}
         self.output: str | None = None  # the output's name, once lowered
         self.attributes: dict[int, str] = {}  # storage of a get_attr's tensor -> the first get_attr of it
+        self.input_storages: dict[int, str] = {}  # storage of an input's val -> the first input of it
 
     def target(self, node: fx.Node) -> _Target:
         key = (node.op, id(node.target))
@@ -640,6 +641,12 @@ class _Lowering:
             if operands:
                 raise LoweringError(f"input %{node.name} reads {['%' + o for o in operands]}: "
                                     "an input's default may not be another node")
+            key = self.storage(node)
+            first = self.input_storages.setdefault(key, name) if key is not None else name
+            if first != name:
+                # inputs traced as views of one storage (make_fx(f)(x[:3], x[1:])): the later is an
+                # alias of the first, so that writes through one are ordered against reads of the other
+                return Input.make(name, (first,), Phase.FORWARD, types, target=str(node.target), alias=first)
             return Input.make(name, operands, Phase.FORWARD, types, target=str(node.target))
         if kind == "output":
             self.output = node.name

@@ -429,3 +429,36 @@ def test_a_read_of_an_in_place_collectives_buffer_before_its_wait_is_noted():
     assert [n for n in notes if "races" in n] == [
         "%mul reads storage the collective %all_reduce__default writes until its wait: the input races with its "
         "collective (kept between them, as in the input)"]
+
+
+# --------------------------------------------------------------------------- inputs of one storage
+
+def test_inputs_traced_as_views_of_one_storage_are_aliases():
+    """make_fx(f)(x[:3], x[1:]) with fake tensors: two inputs, one storage. Each input was its own
+    storage, so `b.add_` could cross the reads of `a` on either side of it; the later input is now
+    an alias of the first (the text round-trips it), and every legal order computes what f does."""
+    def f(a, b):
+        y = a * 2
+        b.add_(1)
+        return y + a
+
+    base = torch.arange(4.0)
+    gm = make_fx(f, tracing_mode="fake")(base[:3], base[1:])
+    program = lower(gm)
+
+    def run(module):
+        fresh = torch.arange(4.0)
+        out = module(fresh[:3], fresh[1:])
+        return [out, fresh]
+
+    expected = run(gm)
+    tried = 0
+    for order in nx.all_topological_sorts(program.graph):
+        program.schedule = Schedule(order)
+        got = run(raise_program(program))
+        assert all(torch.equal(x, y) for x, y in zip(expected, got)), order
+        tried += 1
+    assert tried == 1  # a * 2, b.add_, + a: one order left (each input alone allowed three)
+    a, b = (n.name for n in gm.graph.find_nodes(op="placeholder"))
+    assert program.op(b).alias == a and program.op(b).operands == (a,)
+    assert print_program(parse_program(print_program(program))) == print_program(program)
