@@ -252,11 +252,12 @@ def _storage_edges(program: Program, order: list[str], ops: list[Op]) -> None:
         operands = op.operands
         if not operands:
             continue
-        if type(op) is Wait and op.launched_by in in_flight:
-            _collective_read(program, name, op, op.launched_by, in_flight, roots, last_write, readers, freed)
-        if writing and type(op) is Wait:
-            for root in [r for r, launch in writing.items() if launch == op.launched_by]:
-                del writing[root]
+        if type(op) is Wait:
+            if op.launched_by in in_flight:
+                _collective_read(program, name, op, op.launched_by, in_flight, roots, last_write, readers, freed)
+            if writing:  # an in-place collective's write ends at its wait
+                for root in [r for r, launch in writing.items() if launch == op.launched_by]:
+                    del writing[root]
         elif type(op) is Opaque and op.reason == WAIT_ON_NO_LAUNCH and (launch := roots[operands[0]][0]) in in_flight:
             # a wait on an opaque collective's result completes it: the same read
             _collective_read(program, name, op, launch, in_flight, roots, last_write, readers, freed)
@@ -278,7 +279,7 @@ def _storage_edges(program: Program, order: list[str], ops: list[Op]) -> None:
                     continue
                 raise EffectError(f"%{name} reads storage that %{freed[root]} freed before it "
                                   f"(use after free in the input graph)")
-            if writing and root in writing and not (type(op) is Wait and op.launched_by == writing[root]):
+            if writing and root in writing:  # (not the collective's own wait: it ended the write above)
                 program.notes.append(f"%{name} reads storage the collective %{writing[root]} writes until its wait: "
                                      "the input races with its collective (kept between them, as in the input)")
             writer = last_write.get(root)
