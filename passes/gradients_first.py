@@ -123,20 +123,11 @@ def _swap(program: Program, start: str | None, a: str, b: str, ms) -> bool:
         if a not in region:
             return False
     inside = set(region)
-
-    def ancestors(of):
-        found, stack = set(), [of]
-        while stack:
-            for p in pred[stack.pop()]:
-                if p in inside and p not in found:
-                    found.add(p)
-                    stack.append(p)
-        return found
-
-    of_b = ancestors(b)
+    of_b = _ancestors_within(pred, b, inside)
     if a in of_b:
         return False
-    of_a = ancestors(a) - of_b
+    all_of_a = _ancestors_within(pred, a, inside)
+    of_a = all_of_a - of_b
 
     def cost(names):  # summed in the region's order (a set's order is the hash seed's: ranks must agree)
         names = set(names)
@@ -145,7 +136,7 @@ def _swap(program: Program, start: str | None, a: str, b: str, ms) -> bool:
     # now: a launches after its ancestors (overlap-reduce-scatter hoists each launch to its
     # latest predecessor), b after what precedes a and b's own ancestors after a
     t_a, t_b = ms.get(a, 0.0), ms.get(b, 0.0)
-    launch_a = cost(ancestors(a))
+    launch_a = cost(all_of_a)
     at_a = region.index(a)
     launch_b_now = cost(region[:at_a]) + cost(n for n in region[at_a + 1:] if n in of_b)
     now = max(launch_a + t_a, launch_b_now) + t_b
@@ -177,13 +168,7 @@ def _first(program: Program, stop: str, ms) -> int:
             break
         begin -= 1
     window = [schedule[i] for i in range(begin + 1, end)]
-    inside = set(window)
-    ancestors, stack = set(), [stop]
-    while stack:
-        for p in pred[stack.pop()]:
-            if p in inside and p not in ancestors:
-                ancestors.add(p)
-                stack.append(p)
+    ancestors = _ancestors_within(pred, stop, set(window))
     first = [n for n in window if n in ancestors]
     rest = [n for n in window if n not in ancestors]
     # nothing to gain unless the launch would issue earlier: a costed op now before it that it does not need
@@ -193,3 +178,15 @@ def _first(program: Program, stop: str, ms) -> int:
         return 0
     schedule.move_before(rest, schedule[end + 1])  # a launch is never last: its wait follows it
     return 1
+
+
+def _ancestors_within(pred, of: str, inside: set[str]) -> set[str]:
+    """The ancestors of `of` (over data and effect edges) that lie in `inside`, reached through
+    `inside` only: what must move with it in a window or region."""
+    found, stack = set(), [of]
+    while stack:
+        for p in pred[stack.pop()]:
+            if p in inside and p not in found:
+                found.add(p)
+                stack.append(p)
+    return found
