@@ -92,6 +92,15 @@ def _node_operands(value) -> list[fx.Node]:
     return []
 
 
+def _earlier(firsts: dict[int, str], key: int | None, name: str) -> str | None:
+    """The node recorded first for storage `key` in `firsts`, if it is not `name` (which is
+    recorded when it is the first); None too when the storage is unknown."""
+    if key is None:
+        return None
+    first = firsts.setdefault(key, name)
+    return first if first != name else None
+
+
 def _storage_key(value) -> int | None:
     """An identity of a `meta["val"]` tensor's storage (FakeTensors of views share one)."""
     if not isinstance(value, torch.Tensor):
@@ -529,11 +538,7 @@ class _Lowering:
             value = attrgetter(node.target)(self.gm)
         except AttributeError:
             return None
-        key = _storage_key(value)
-        if key is None:
-            return None
-        first = self.attributes.setdefault(key, node.name)
-        return first if first != node.name else None
+        return _earlier(self.attributes, _storage_key(value), node.name)
 
     def storage(self, node: fx.Node) -> int | None:
         """`_storage_key` of the node's `meta["val"]`, once per node."""
@@ -641,9 +646,8 @@ class _Lowering:
             if operands:
                 raise LoweringError(f"input %{node.name} reads {['%' + o for o in operands]}: "
                                     "an input's default may not be another node")
-            key = self.storage(node)
-            first = self.input_storages.setdefault(key, name) if key is not None else name
-            if first != name:
+            first = _earlier(self.input_storages, self.storage(node), name)
+            if first is not None:
                 # inputs traced as views of one storage (make_fx(f)(x[:3], x[1:])): the later is an
                 # alias of the first, so that writes through one are ordered against reads of the other
                 return Input.make(name, (first,), Phase.FORWARD, types, target=str(node.target), alias=first)
