@@ -16,11 +16,12 @@ from operator import attrgetter
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
+import attrs
 import torch
 from torch import fx
 
 from ..ir import (DTYPE_BYTES, Barrier, EffectError, Cast, Compute, Constant, CopyOut, Free, Input, Launch, Op, Opaque, Output, Phase, Program,
-                  Role, Schedule, TensorType, View, Wait, derive_effects)
+                  Role, Schedule, TensorType, View, Wait, derive_effects, storage_root)
 from ..ir.errors import InputError
 from ..ir.gcpause import gc_paused
 from ..ir.ops import WAIT_ON_NO_LAUNCH
@@ -162,9 +163,16 @@ _MAY_RETURN_SELF = frozenset({"float", "double", "half", "bfloat16", "int", "lon
                               "cfloat", "cdouble", "type", "type_as", "cpu", "cuda", "to", "contiguous"})
 
 
+#: Tensor methods returning the tensor's storage: `x.untyped_storage().resize_(0)` frees x (FSDP's
+#: reshard), so the storage is a view of x, as a write through it is a write of x
+_STORAGE_OF = frozenset({"untyped_storage", "storage", "_typed_storage"})
+
+
 def _python_view(name: str) -> tuple[bool, bool]:
     """(a view, one that may copy) for a Python call named like an aten op: a view when every
     overload of `aten.<name>` returns an alias of its input and writes nothing."""
+    if name in _STORAGE_OF:
+        return True, False
     try:
         packet = getattr(torch.ops.aten, name)
     except (AttributeError, RuntimeError):
@@ -259,6 +267,11 @@ def _updates_running_stats(module) -> bool:
     its `running_mean`, `running_var` and `num_batches_tracked` (symbolic_trace keeps it a call_module)."""
     return (isinstance(module, torch.nn.modules.batchnorm._NormBase) and module.training
             and module.track_running_stats)
+
+
+#: torch.nn modules whose call may return its input itself or a view of it (a dropout in eval mode,
+#: or with p=0, returns its input)
+_MODULES_RETURNING_INPUT = (torch.nn.Identity, torch.nn.Flatten, torch.nn.Unflatten, torch.nn.modules.dropout._DropoutNd)
 
 
 def _random_module(module) -> bool:
@@ -447,6 +460,11 @@ class _Lowering:
         self.output: str | None = None  # the output's name, once lowered
         self.attributes: dict[int, str] = {}  # storage of a get_attr's tensor -> the first get_attr of it
         self.input_storages: dict[int, str] = {}  # storage of an input's val -> the first input of it
+        self.attribute_storage: dict[str, int] = {}  # a get_attr of a tensor -> its storage
+        self.states: dict[int, frozenset[int]] = {}  # id of a called module -> `module_state`
+        self.module_calls: list[tuple[str, frozenset[int]]] = []  # call_module reading state: (name, storages)
+        self.returns: dict[int, list[int] | None] = {}  # id of a subgraph -> `returned_inputs`
+        self.rebinds: list[str] = []  # the `set_` calls (each rebinds its first operand to another storage)
 
     def target(self, node: fx.Node) -> _Target:
         key = (node.op, id(node.target))
@@ -470,12 +488,58 @@ class _Lowering:
             return tuple(dict.fromkeys(n.name for n in _node_operands(list((node.kwargs.get("kwargs") or {}).values())))), None, False
         subgraphs = _subgraphs(self.gm, node)
         if subgraphs:
+            alias = self.hop_alias(node, subgraphs)
             if any(_graph_writes(sub, self.target) for sub in subgraphs):
-                return tuple(n.name for n in node.all_input_nodes if n.op != "get_attr"), None, True
-            return (), None, False
+                return tuple(n.name for n in node.all_input_nodes if n.op != "get_attr"), alias, True
+            return (), alias, False
         if hop in FUNCTIONAL_HOPS:
             return (), None, False
         return tuple(n.name for n in node.all_input_nodes), None, True
+
+    def hop_alias(self, node: fx.Node, subgraphs: list[fx.GraphModule]) -> str | None:
+        """The operand a higher-order op's result may share storage with: a subgraph that returns
+        one of its inputs (or a view of it, or what an in-place op on it returned) hands that
+        operand back, so reads of the result must keep their order with writes of it. Which
+        operand an input is, is known for `invoke_subgraph(subgraph, identifier, *operands)`; for
+        another op, any tensor operand. A result that may be one of several operands cannot be
+        said in the IR (an op aliases one operand): a LoweringError rather than a guess."""
+        tensors = [n for n in node.all_input_nodes if n.op != "get_attr"]
+        operands = node.args[2:] if node.target.name() == "invoke_subgraph" else None
+        found: list[fx.Node] = []
+        for sub in subgraphs:
+            returned = self.returned_inputs(sub)
+            if returned is None:  # a subgraph fxsched could not lower: any operand
+                found += tensors
+                continue
+            for at in returned:
+                if operands is None or at >= len(operands) or not isinstance(operands[at], fx.Node):
+                    found += tensors
+                else:
+                    found.append(operands[at])
+        found = list(dict.fromkeys(found))
+        if len(found) > 1:
+            raise LoweringError(f"%{node.name} ({target_name(node)}) may return one of its operands "
+                                f"{['%' + n.name for n in found]} (its subgraph returns an input): fxsched can order "
+                                "a result that shares the storage of one operand, not of one of several")
+        return found[0].name if found else None
+
+    def returned_inputs(self, sub: fx.GraphModule) -> list[int] | None:
+        """The positions of `sub`'s inputs whose storage its output shares (an input returned, a
+        view of one, an in-place op's result on one); None when `sub` cannot be lowered."""
+        key = id(sub)
+        if key not in self.returns:
+            try:
+                program = _lower(sub)
+            except InputError:
+                self.returns[key] = None
+                return None
+            inputs = [n.name for n in sub.graph.find_nodes(op="placeholder")]
+            output = next(iter(sub.graph.find_nodes(op="output")), None)
+            roots: dict[str, str] = {}
+            returned = {storage_root(program, n.name, roots)
+                        for n in (output.all_input_nodes if output is not None else ())}
+            self.returns[key] = [at for at, name in enumerate(inputs) if name in returned]
+        return self.returns[key]
 
     def impure(self, node: fx.Node) -> bool:
         """`node.is_impure(impure_random=False)`, once per target: it reads the target (a
@@ -538,7 +602,18 @@ class _Lowering:
             value = attrgetter(node.target)(self.gm)
         except AttributeError:
             return None
-        return _earlier(self.attributes, _storage_key(value), node.name)
+        key = _storage_key(value)
+        if key is not None:
+            self.attribute_storage[node.name] = key
+        return _earlier(self.attributes, key, node.name)
+
+    def module_state(self, module: torch.nn.Module) -> frozenset[int]:
+        """The storages of a called module's parameters and buffers (its submodules' too)."""
+        key = id(module)
+        if key not in self.states:
+            tensors = [*module.parameters(), *module.buffers()]
+            self.states[key] = frozenset(k for k in map(_storage_key, tensors) if k is not None)
+        return self.states[key]
 
     def storage(self, node: fx.Node) -> int | None:
         """`_storage_key` of the node's `meta["val"]`, once per node."""
@@ -580,8 +655,9 @@ class _Lowering:
                 names += [n.name for n in _node_operands(value)]
             alias = None
             if info.schema.name == "aten::set_" and len(args) > 1 and isinstance(args[1], fx.Node):
-                # `x.set_(y)`: x (and the result) now views y's storage; its uses through the
-                # result are ordered with y's accesses (uses of x itself only after the set_)
+                # `x.set_(y)`: x (and the result) now views y's storage (`_rebind` makes x's
+                # later uses read the result)
+                self.rebinds.append(node.name)
                 return tuple(dict.fromkeys(names)), args[1].name, False
             if info.result_alias is not None:
                 name = dict(info.written)[info.result_alias]
@@ -619,6 +695,10 @@ class _Lowering:
         if not inplace and not known:
             return tuple(n.name for n in node.all_input_nodes), None, True
         first = args[0] if args and isinstance(args[0], fx.Node) else None
+        if (inplace and first is not None and info.name.rsplit(".", 1)[-1] == "set_" and len(args) > 1
+                and isinstance(args[1], fx.Node)):  # `x.set_(y)` called from Python: as aten's set_ above
+            self.rebinds.append(node.name)
+            return (first.name,), args[1].name, False
         if inplace and first is not None:
             returns_it = info.name.rsplit(".", 1)[-1] not in ("setitem", "delitem")
             return (first.name,), (first.name if returns_it else None), False
@@ -705,15 +785,25 @@ class _Lowering:
         if (unknown or not writes) and not random and self.impure(node):
             return Barrier.make(name, operands, phase, types, target=target, reason="side effect",
                                 heavy=info.heavy, attention=info.attention)
-        if kind == "call_module" and _updates_running_stats(self.gm.get_submodule(node.target)):
-            # the module writes its own buffers, which no operand names (get_attr nodes may read them,
-            # a second call of it writes them again): ordered against everything
-            return Barrier.make(name, operands, phase, types, target=target, reason="module state",
-                                heavy=info.heavy, attention=info.attention)
+        if kind == "call_module":
+            module = self.gm.get_submodule(node.target)
+            state = self.module_state(module)
+            if _updates_running_stats(module) or (state and not type(module).__module__.startswith("torch.nn")):
+                # the module writes its own buffers (a module fxsched does not know may), which no
+                # operand names (get_attr nodes may read them, a second call of it writes them
+                # again): ordered against everything
+                return Barrier.make(name, operands, phase, types, target=target, reason="module state",
+                                    heavy=info.heavy, attention=info.attention)
+            if state:  # it reads its state: a barrier if a get_attr of it is written (`_module_state_barriers`)
+                self.module_calls.append((name, state))
         if unknown and writes:
             self.notes.append(f"%{node.name}: {target} is a call fxsched cannot see into: taken to write "
                               f"{', '.join('%' + w for w in writes)}")
         alias = self.shared(node) or alias
+        if (alias is None and kind == "call_module" and self.storage(node) is None and node.args
+                and isinstance(node.args[0], fx.Node)
+                and isinstance(self.gm.get_submodule(node.target), _MODULES_RETURNING_INPUT)):
+            alias = node.args[0].name  # no val says whether it is its input or a view of it: take it to be
         if info.cast and not writes:
             return Cast.make(name, operands, phase, types, target=target, alias=alias)
         return Compute.make(name, operands, phase, types, target=target, heavy=info.heavy, attention=info.attention,
@@ -863,6 +953,59 @@ def _group_size(node: fx.Node, info: _Target) -> int | None:
     return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
 
 
+def _rebind(ops: list[Op], rebinds: set[str]) -> list[Op]:
+    """`ops` with each use of a tensor after a `set_` of it reading the `set_` instead.
+
+    `x.set_(y)` makes the tensor object x view y's storage: its later uses (through x itself, or
+    through the result of an in-place op on x, which is x) access y's storage, while views of x
+    taken before keep x's. Storage roots are static per value, so such a use reads the `set_`
+    (whose result aliases y) in the IR: raised, it reads the set_'s result, which is x.
+    """
+    identity: dict[str, str] = {}  # a value -> the tensor object it is (an in-place op's result is its operand)
+    now: dict[str, str] = {}  # a tensor object -> the set_ that last rebound it
+    result = []
+    for op in ops:
+        if now:
+            def read(name: str) -> str:
+                return now.get(identity.get(name, name), name)
+            operands = tuple(map(read, op.operands))
+            if operands != op.operands:
+                op = attrs.evolve(op, operands=operands, writes=tuple(dict.fromkeys(map(read, op.writes))),
+                                  alias=None if op.alias is None else read(op.alias))
+        if op.alias is not None and op.alias in op.writes:  # an in-place op returns the tensor it writes
+            identity[op.name] = identity.get(op.alias, op.alias)
+        if op.name in rebinds and op.operands:
+            target = identity.get(op.operands[0], op.operands[0])
+            identity[op.name] = target
+            now[target] = op.name
+        result.append(op)
+    return result
+
+
+def _module_state_barriers(ops: list[Op], lowering: _Lowering) -> None:
+    """Make a barrier of each call_module whose module's state a get_attr of the graph writes
+    (`self.lin(x)` and `self.lin.weight.add_(1)`): no operand names what the call reads, so it
+    was free to cross the write. In place in `ops`."""
+    attribute = lowering.attribute_storage
+    roots: dict[str, str] = {}
+    written: set[int] = set()
+    for op in ops:
+        source = (op.operands[0] if op.operands else None) if isinstance(op, View) else op.alias
+        if source is not None:
+            roots[op.name] = roots.get(source, source)
+        for name in op.writes:
+            key = attribute.get(roots.get(name, name))
+            if key is not None:
+                written.add(key)
+    calls = {name: state for name, state in lowering.module_calls if state & written}
+    for at, op in enumerate(ops):
+        if op.name in calls:
+            lowering.notes.append(f"%{op.name}: the module it calls has state a get_attr of the graph writes: "
+                                  "kept as a barrier")
+            ops[at] = Barrier.make(op.name, op.operands, op.phase, op.types, target=op.target, reason="module state",
+                                   heavy=op.heavy, attention=op.attention)
+
+
 def lower(gm: fx.GraphModule) -> Program:
     """Lower `gm` (left untouched) into a verified-ready Program with all effect edges."""
     with gc_paused():
@@ -874,6 +1017,10 @@ def _lower(gm: fx.GraphModule) -> Program:
     program = Program(origin=gm)
     nodes = list(gm.graph.nodes)
     ops = [lowering.lower(node) for node in nodes]
+    if lowering.rebinds:
+        ops = _rebind(ops, set(lowering.rebinds))
+    if lowering.module_calls:
+        _module_state_barriers(ops, lowering)
     program.add_all(ops)
     order = list(map(_NAME, nodes))
     program.payload.update(zip(order, nodes))
