@@ -464,6 +464,7 @@ class _Lowering:
         self.states: dict[int, frozenset[int]] = {}  # id of a called module -> `module_state`
         self.module_calls: list[tuple[str, frozenset[int]]] = []  # call_module reading state: (name, storages)
         self.returns: dict[int, list[int] | None] = {}  # id of a subgraph -> `returned_inputs`
+        self.fake_mode = None  # the FakeTensorMode of the first val with storage (see `storage`)
         self.rebinds: list[str] = []  # the `set_` calls (each rebinds its first operand to another storage)
 
     def target(self, node: fx.Node) -> _Target:
@@ -620,7 +621,18 @@ class _Lowering:
         try:
             return self.storages[node]
         except KeyError:
-            key = self.storages[node] = _storage_key(node.meta.get("val"))
+            value = node.meta.get("val")
+            key = _storage_key(value)
+            mode = getattr(value, "fake_mode", None)
+            if mode is not None and key is not None:
+                # FakeTensors of one mode share storages as the traced tensors did; real-mode make_fx
+                # gives each val a mode of its own and a fresh storage (a view's val shares nothing
+                # with its input's): such a val says nothing about storage
+                if self.fake_mode is None:
+                    self.fake_mode = mode
+                elif mode is not self.fake_mode:
+                    key = None
+            self.storages[node] = key
             return key
 
     def shared(self, node: fx.Node) -> str | None:

@@ -13,7 +13,7 @@ import torch
 from torch import fx, nn
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from fxsched.ir import Barrier
+from fxsched.ir import Barrier, View
 from fxsched.lowering import LoweringError, lower
 
 from test_fronts_attack import _graph, assert_every_legal_order_computes_the_same
@@ -205,3 +205,21 @@ def test_a_resize_through_the_untyped_storage_writes_the_tensor():
     gm = _graph(build)
     assert lower(gm).op("resize_").writes == ("untyped_storage",)
     assert_every_legal_order_computes_the_same(gm, [torch.randn(4)])
+
+
+# --------------------------------------------------------------------------- vals that say nothing
+
+
+def test_real_mode_make_fx_vals_say_nothing_about_storage():
+    """make_fx in real mode gives each node's val a fake mode and a storage of its own: `reshape`
+    (pre_dispatch keeps it) of x had a val sharing nothing with x's, so it was read as a copy, and a
+    read of it crossed `x.add_`. Vals of another fake mode than the graph's first are no evidence."""
+    def f(x):
+        y = x.reshape(4)
+        x.add_(1)
+        return y * 2, x.neg()
+
+    gm = make_fx(f, pre_dispatch=True)(torch.randn(2, 2))
+    reshape = lower(gm).op("reshape")
+    assert isinstance(reshape, View) and reshape.maybe
+    assert_every_legal_order_computes_the_same(gm, [torch.randn(2, 2)])
