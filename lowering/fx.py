@@ -144,6 +144,7 @@ class _Target(NamedTuple):
     group_at: int | None  # position of the `group_name` argument, if the schema has one
     group_size_at: int | None  # position of the (last) `group_size` argument
     reduce_op_at: int | None  # position of the `reduce_op` argument, if the schema has one
+    returns_first: bool  # a c10d op returning (the tensors of) its first argument
 
 
 def _composite(schema) -> bool:
@@ -318,9 +319,22 @@ def _distributed(module: str, short: str) -> bool:
     return not module.startswith("torch.distributed._functional_collectives") or "inplace" in short
 
 
+def collective_overload(target):
+    """The one overload of a functional collective's packet (dynamo's graphs call
+    `torch.ops._c10d_functional.wait_tensor`, no `.default`): the call runs it, so it is read as
+    that overload (a launch, a wait). Anything else: None."""
+    if not isinstance(target, torch._ops.OpOverloadPacket):
+        return None
+    if target._qualified_op_name.split("::")[0] not in COLLECTIVE_NAMESPACES or target.overloads() != ["default"]:
+        return None
+    return target.default
+
+
 def _classify(op: str, target) -> _Target:
     name = _target_name(target)
     call = op == "call_function"
+    if call:
+        target = collective_overload(target) or target
     schema = getattr(target, "_schema", None) if call else None
     collective = schema is not None and schema.name.split("::")[0] in COLLECTIVE_NAMESPACES
     view = (call and target is operator.getitem) or (
@@ -379,7 +393,17 @@ def _classify(op: str, target) -> _Target:
         group_at=arguments.index("group_name") if "group_name" in arguments else None,
         group_size_at=len(arguments) - 1 - arguments[::-1].index("group_size") if "group_size" in arguments else None,
         reduce_op_at=arguments.index("reduce_op") if "reduce_op" in arguments else None,
+        returns_first=schema is not None and schema.name.startswith("c10d::") and bool(schema.returns)
+        and _tensors_type(schema.returns[0].type) and bool(schema.arguments)
+        and _tensors_type(schema.arguments[0].type),
     )
+
+
+def _tensors_type(kind) -> bool:
+    """A Tensor, or a list (of lists) of them."""
+    while isinstance(kind, torch.ListType):
+        kind = kind.getElementType()
+    return isinstance(kind, torch.TensorType)
 
 
 _DTYPES = {torch.float64: "f64", torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16",
@@ -465,6 +489,8 @@ class _Lowering:
         self.module_calls: list[tuple[str, frozenset[int]]] = []  # call_module reading state: (name, storages)
         self.returns: dict[int, list[int] | None] = {}  # id of a subgraph -> `returned_inputs`
         self.fake_mode = None  # the FakeTensorMode of the first val with storage (see `storage`)
+        self.results: dict[str, tuple | list] = {}  # a c10d op (or a getitem of its result) -> what it returns
+        self.same: dict[str, str] = {}  # a getitem of a c10d op's result -> the argument it is
         self.rebinds: list[str] = []  # the `set_` calls (each rebinds its first operand to another storage)
 
     def target(self, node: fx.Node) -> _Target:
@@ -541,6 +567,19 @@ class _Lowering:
                         for n in (output.all_input_nodes if output is not None else ())}
             self.returns[key] = [at for at, name in enumerate(inputs) if name in returned]
         return self.returns[key]
+
+    def result_item(self, node: fx.Node) -> None:
+        """`getitem(source, i)` of a c10d op's result (at any depth): record what it is, the
+        argument's tensor (`same`), or its list (`results`)."""
+        source, at = node.args[0], node.args[1]
+        value = self.results.get(source.name) if isinstance(source, fx.Node) else None
+        if not isinstance(value, (list, tuple)) or not isinstance(at, int) or not -len(value) <= at < len(value):
+            return
+        item = value[at]
+        if isinstance(item, fx.Node):
+            self.same[node.name] = self.same.get(item.name, item.name)
+        elif isinstance(item, (list, tuple)):
+            self.results[node.name] = item
 
     def impure(self, node: fx.Node) -> bool:
         """`node.is_impure(impure_random=False)`, once per target: it reads the target (a
@@ -785,10 +824,17 @@ class _Lowering:
         if info.clone and meta.get(tags.BUCKET_COPY_OUT) is not None:
             return CopyOut.make(name, operands, phase, types, target=target, bucket=str(meta[tags.BUCKET_COPY_OUT]))
         if info.view:
+            if self.results and node.target is operator.getitem:
+                self.result_item(node)
             return self.view(node, info, base)
         if (kind == "call_function" and node.target is getattr and len(node.args) == 2
                 and node.args[1] in _VIEW_ATTRIBUTES and isinstance(node.args[0], fx.Node)):
             return View.make(name, operands, phase, types, target=target)
+        if info.returns_first:
+            # a c10d op (`dist.all_reduce` traced by make_fx: `allreduce_([x], group, ...)`) returns the
+            # tensors of its first argument, which it writes, and its schema says neither: its
+            # getitems are those tensors (`result_item`)
+            self.results[name] = (node.args[0] if node.args else None,)
         writes, alias, unknown = self.writes(node, info)
         # a random call touches the RNG state only: ordered with the other random ops, no barrier
         # (torch calls Python's torch.rand* impure whatever impure_random says)
@@ -965,20 +1011,24 @@ def _group_size(node: fx.Node, info: _Target) -> int | None:
     return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
 
 
-def _rebind(ops: list[Op], rebinds: set[str]) -> list[Op]:
-    """`ops` with each use of a tensor after a `set_` of it reading the `set_` instead.
+def _rebind(ops: list[Op], rebinds: set[str], same: dict[str, str]) -> list[Op]:
+    """`ops` with each use of a tensor after a `set_` of it reading the `set_` instead, and each
+    use of a value in `same` reading the value it is.
 
     `x.set_(y)` makes the tensor object x view y's storage: its later uses (through x itself, or
     through the result of an in-place op on x, which is x) access y's storage, while views of x
     taken before keep x's. Storage roots are static per value, so such a use reads the `set_`
     (whose result aliases y) in the IR: raised, it reads the set_'s result, which is x.
+    `same`: a getitem of a c10d op's result -> the tensor the op was given and returns (raised,
+    a use reads that tensor, the same object).
     """
     identity: dict[str, str] = {}  # a value -> the tensor object it is (an in-place op's result is its operand)
     now: dict[str, str] = {}  # a tensor object -> the set_ that last rebound it
     result = []
     for op in ops:
-        if now:
+        if now or same:
             def read(name: str) -> str:
+                name = same.get(name, name)
                 return now.get(identity.get(name, name), name)
             operands = tuple(map(read, op.operands))
             if operands != op.operands:
@@ -1029,8 +1079,8 @@ def _lower(gm: fx.GraphModule) -> Program:
     program = Program(origin=gm)
     nodes = list(gm.graph.nodes)
     ops = [lowering.lower(node) for node in nodes]
-    if lowering.rebinds:
-        ops = _rebind(ops, set(lowering.rebinds))
+    if lowering.rebinds or lowering.same:
+        ops = _rebind(ops, set(lowering.rebinds), lowering.same)
     if lowering.module_calls:
         _module_state_barriers(ops, lowering)
     program.add_all(ops)

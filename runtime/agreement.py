@@ -27,7 +27,7 @@ from torch import fx
 
 from ..ir import Launch, Opaque
 from ..ir import tags
-from ..lowering.fx import target_name, value_types
+from ..lowering.fx import collective_overload, target_name, value_types
 
 __all__ = ["ScheduleMismatch", "check_ranks_agree", "collective_entries", "compare_entries", "describe", "fingerprint"]
 
@@ -55,8 +55,14 @@ class ScheduleMismatch(RuntimeError):
 
 # ---- what a collective is -------------------------------------------------------------------
 
+def _schema(node: fx.Node):
+    """The schema of a call's op; a functional collective called by its packet (dynamo), its one
+    overload's, as lowering reads it."""
+    return getattr(collective_overload(node.target) or node.target, "_schema", None)
+
+
 def _fx_collective(node: fx.Node) -> bool:
-    schema = getattr(node.target, "_schema", None) if node.op == "call_function" else None
+    schema = _schema(node) if node.op == "call_function" else None
     if schema is None:
         return False
     namespace, _, name = schema.name.partition("::")
@@ -64,7 +70,7 @@ def _fx_collective(node: fx.Node) -> bool:
 
 
 def _fx_arg(node: fx.Node, name: str):
-    schema = node.target._schema
+    schema = _schema(node)
     for arg, value in zip(schema.arguments, node.args):
         if arg.name == name:
             return value

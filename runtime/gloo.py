@@ -277,6 +277,8 @@ def graph_group_names(gm: fx.GraphModule) -> dict[str, int]:
     groups: dict[str, int] = {}
     for node in gm.graph.nodes:
         target = node.target
+        if isinstance(target, torch._ops.OpOverloadPacket) and target.overloads() == ["default"]:
+            target = target.default  # dynamo calls a functional collective by its packet
         if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload):
             continue
         if target.namespace != _COLLECTIVE_NAMESPACE or "wait" in target.__name__:

@@ -223,3 +223,136 @@ def test_real_mode_make_fx_vals_say_nothing_about_storage():
     reshape = lower(gm).op("reshape")
     assert isinstance(reshape, View) and reshape.maybe
     assert_every_legal_order_computes_the_same(gm, [torch.randn(2, 2)])
+
+
+# --------------------------------------------------------------------------- dynamo-level collectives
+
+
+def _dynamo_collectives_graph() -> fx.GraphModule:
+    """A graph as dynamo records funcol calls (each op by its packet, no `.default`): two gathers in
+    flight, an all_reduce, an in-place all_reduce_ of an input read around it, and the `copy_` of a
+    collective's result into an input that `dist.all_reduce(w)` becomes."""
+    c10d = torch.ops._c10d_functional
+
+    def build(g):
+        x, w = g.placeholder("x"), g.placeholder("w")
+        a = g.call_function(c10d.all_gather_into_tensor, (w, 2, "0"))
+        b = g.call_function(c10d.all_gather_into_tensor, (g.call_function(operator.mul, (w, 3)), 2, "0"))
+        before = g.call_function(operator.mul, (x, 5))
+        ga = g.call_method("view", (g.call_function(c10d.wait_tensor, (a,)), 4, 4))
+        gb = g.call_method("view", (g.call_function(c10d.wait_tensor, (b,)), 4, 4))
+        y = g.call_function(operator.matmul, (x, ga))
+        r = g.call_function(c10d.wait_tensor, (g.call_function(c10d.all_reduce, (y, "sum", "0")),))
+        g.call_function(c10d.wait_tensor, (g.call_function(c10d.all_reduce_, (x, "sum", "0")),))
+        after = g.call_function(operator.add, (x, gb))
+        g.call_method("copy_", (w, g.call_function(c10d.wait_tensor, (g.call_function(c10d.all_reduce, (w, "sum", "0")),))))
+        g.output((before, r, after, g.call_function(operator.neg, (w,))))
+
+    return _graph(build)
+
+
+def test_dynamo_level_collectives_are_launches_and_waits():
+    """dynamo calls functional collectives by their packets: each wait was a barrier (nothing moved);
+    they are the overloads the calls run now."""
+    from fxsched.ir import Launch, Wait
+    from fxsched.runtime import graph_group_names
+    from fxsched.runtime.agreement import collective_entries
+
+    gm = _dynamo_collectives_graph()
+    program = lower(gm)
+    assert sum(isinstance(op, Launch) for op in program.ops()) == 5
+    assert sum(isinstance(op, Wait) for op in program.ops()) == 5
+    assert not any(isinstance(op, Barrier) for op in program.ops())
+    assert program.op("all_reduce_").writes == ("x",)
+    assert graph_group_names(gm) == {"0": 2}
+    assert len(collective_entries(gm)) == len(collective_entries(program)) == 5
+
+
+@pytest.mark.multirank
+def test_dynamo_level_collectives_in_random_legal_orders_are_bitwise_on_two_ranks():
+    """Every random legal order of the dynamo-level graph computes its numbers on 2 gloo ranks."""
+    from fxsched.ir.program import Schedule
+    from fxsched.raising import raise_program
+    from fxsched.runtime import run_ranks
+
+    from ranks import check_bitwise, run_all
+    from test_fronts_attack import _random_orders
+
+    gm = _dynamo_collectives_graph()
+    program = lower(gm)
+    jobs = [gm]
+    for order in _random_orders(program, 8, 0):
+        program.schedule = Schedule(order)
+        jobs.append(raise_program(program))
+    torch.manual_seed(0)
+    feeds = [[torch.randn(4, 4) + rank, torch.randn(2, 4) - rank] for rank in range(2)]
+    results = run_ranks(run_all, 2, args=([(job, feeds) for job in jobs],), timeout=600, group_name="0")
+    check_bitwise(results, ["dynamo graph"], "a legal order", per_key=len(jobs))
+
+
+# --------------------------------------------------------------------------- c10d ops (make_fx of dist.*)
+
+
+def _c10d_step(x, out, part0, part1):
+    """torch.distributed's in-place calls, views taken before them read after writes through what they
+    return (make_fx records `c10d.allreduce_([x], ...)` and reads x afterwards through its getitems)."""
+    import torch.distributed as dist
+
+    first, v, w, p = x * 1, x[:2], out[:3], part1[:1]
+    dist.all_reduce(x)
+    dist.all_gather_into_tensor(out, x)
+    dist.all_gather([part0, part1], x)
+    x.add_(1)
+    out.mul_(2)
+    part1.add_(3)
+    return first, v * 2, w * 3, p * 4, part0 * 1
+
+
+@pytest.fixture
+def fake_group():
+    """A fake 2-rank default process group in this process (its collectives do nothing, at once),
+    destroyed after."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialised in this process")
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def test_make_fx_of_c10d_calls_reads_their_results_as_the_tensors_given(fake_group):
+    """`dist.all_reduce(x)` traced by make_fx is `c10d.allreduce_([x], group, ...)` (a barrier), and
+    x's later uses read its result's getitems: those were fresh storage, so `x.add_(1)` through
+    them was free to cross a read of a view of x taken before (`x[:2] * 2`); likewise
+    `all_gather_into_tensor`'s out and `all_gather`'s list. The getitems are the tensors given now.
+
+    The graph is run on a fake group (its collectives do nothing): on gloo, make_fx's graph races
+    with its own collectives (the `work.wait()` of `dist.*` runs at trace time and is not in the
+    graph), so it computes other numbers from run to run, whatever the order."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from fxsched.ir.program import Schedule
+    from fxsched.raising import raise_program
+
+    from test_fronts_attack import _random_orders
+
+    torch.manual_seed(0)
+    inputs = [torch.randn(4), torch.randn(8), torch.randn(4), torch.randn(4)]
+    gm = make_fx(_c10d_step)(*[t.clone() for t in inputs])
+    program = lower(gm)
+    assert sorted(op.target for op in program.ops() if isinstance(op, Barrier)) == [
+        "c10d._allgather_base_.default", "c10d.allgather_.default", "c10d.allreduce_.default"]
+
+    def run(module):
+        with torch.no_grad():
+            return module(*[t.clone() for t in inputs])
+
+    expected = run(gm)
+    for order in _random_orders(program, 30, 0):
+        program.schedule = Schedule(order)
+        got = run(raise_program(program))
+        assert all(torch.equal(a, b) for a, b in zip(expected, got)), [n for n in order if not n.startswith("^")]
