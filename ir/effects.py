@@ -33,7 +33,7 @@ from operator import itemgetter
 
 from .errors import InputError
 from .ops import WAIT_ON_NO_LAUNCH, Barrier, Compute, Free, Input, Launch, Marker, Op, Opaque, Output, Phase, View, Wait
-from .program import DATA, Program, Schedule
+from .program import DATA, EFFECT, IRGraph, Program, Schedule, _clear_cache, _effect_attrs
 
 ENTRY = "^entry"
 BACKWARD = "^backward"
@@ -122,10 +122,13 @@ def place_markers(program: Program) -> None:
     _place_markers(program)
 
 
-def _place_markers(program: Program, ops: list[Op] | None = None) -> tuple[list[str], list[Op]]:
+def _place_markers(program: Program, ops: list[Op] | None = None,
+                   numbers: list[int] | None = None) -> tuple[list[str], list[Op], list[int] | None]:
     """`place_markers`, returning the new schedule's names and their ops, position by position:
     the rules below walk the two lists side by side (a lookup per name in the graph's dicts cost
-    as much as a rule at 100k nodes). `ops`: the schedule's ops, when the caller has them."""
+    as much as a rule at 100k nodes). `ops`: the schedule's ops, when the caller has them.
+    `numbers`: the schedule's nodes' numbers (`_Numbered`), when the caller has them: returned
+    moved as the names are, with the markers' (the graph adds them last); else None."""
     order = program.schedule.names()
     node = program.graph._node
     ops = list(map(itemgetter("op"), map(node.__getitem__, order))) if ops is None else list(ops)
@@ -140,7 +143,11 @@ def _place_markers(program: Program, ops: list[Op] | None = None) -> tuple[list[
             first = [at for at, flag in enumerate(flags) if flag]
             rest = [at for at, flag in enumerate(flags) if not flag]
             order, ops = [order[at] for at in first + rest], [ops[at] for at in first + rest]
+            if numbers is not None:
+                numbers = [numbers[at] for at in first + rest]
             reordered = True
+        if numbers is not None:
+            numbers.insert(count, len(node))
         marker = program.add(Marker(name=ENTRY))
         order.insert(count, ENTRY)
         ops.insert(count, marker)
@@ -149,12 +156,14 @@ def _place_markers(program: Program, ops: list[Op] | None = None) -> tuple[list[
         backward = Phase.BACKWARD
         first = next((at for at, op in enumerate(ops) if op.phase is backward and _phased(op)), None)
         if first is not None:
+            if numbers is not None:
+                numbers.insert(first, len(node))
             marker = program.add(Marker(name=BACKWARD, phase=Phase.BACKWARD))
             order.insert(first, BACKWARD)
             ops.insert(first, marker)
             added.append(BACKWARD)
     _insert_markers(program, order, added, reordered)
-    return order, ops
+    return order, ops, numbers
 
 
 def _insert_markers(program: Program, order: list[str], added: list[str], reordered: bool) -> None:
@@ -179,33 +188,119 @@ def _phased(op: Op) -> bool:
     return not isinstance(op, _UNPHASED)
 
 
-def derive_effects(program: Program, ops: list[Op] | None = None) -> None:
+def derive_effects(program: Program, ops: list[Op] | None = None,
+                   operands: list[tuple[int, ...]] | None = None) -> None:
     """Add the effect edges of every rule, reading the current schedule as the original order.
-    `ops`: the program's ops in that order, when the caller has them (lowering just made them)."""
-    order, ops = _place_markers(program, ops)
-    _storage_edges(program, order, ops)
+    `ops`: the program's ops in that order, when the caller has them (lowering just made them).
+    `operands` (with `ops`, which then are every node of the graph, in the order the graph holds
+    them too): each op's operands' positions in `ops`, when the graph has no edge but their data
+    edges (lowering: it numbers its nodes anyway, and need not look their names up again)."""
+    numbers = list(range(len(ops))) if operands is not None else None
+    order, ops, numbers = _place_markers(program, ops, numbers)
+    g = _Numbered(program, order, ops, numbers, operands)
+    seq = g.seq
+    _storage_edges(program, g, seq, ops)
     kinds = list(map(type, ops))  # the rules below pick out the ops they read in C, by class
     present = set(kinds)
 
-    last_free: dict[str, str] = {}
+    add = g.add
+    last_free: dict[str, int] = {}
     previous_random = None
-    for name, op in compress(zip(order, ops), _of(kinds, present, (Compute, Free, Launch))):
+    for k, op in compress(zip(seq, ops), _of(kinds, present, (Compute, Free, Launch))):
         if isinstance(op, Compute):
             if op.random:
                 if previous_random is not None:
-                    program.add_effect(previous_random, name, "rng-order")
-                previous_random = name
+                    add(previous_random, k, "rng-order")
+                previous_random = k
         elif isinstance(op, Free):
             for param in op.params:
-                last_free[param] = name
+                last_free[param] = k
         elif isinstance(op, Launch) and op.is_gather:
             for param in op.params:
                 if param in last_free:
-                    program.add_effect(last_free[param], name, "regather")
+                    add(last_free[param], k, "regather")
 
-    _collective_edges(program, order, ops, kinds, present)
-    _barrier_and_phase_edges(program, order, ops)
-    _boundary_edges(program, order, ops, kinds, present)
+    _collective_edges(g, seq, ops, kinds, present)
+    markers = {g.names[k]: k for k in compress(seq, _of(kinds, present, (Marker,)))}
+    _barrier_and_phase_edges(g, seq, ops, markers.get(BACKWARD))
+    _boundary_edges(g, seq, ops, kinds, present, markers[ENTRY] if ENTRY in markers else g.at[ENTRY])
+    _clear_cache(program.graph)
+
+
+class _Numbered:
+    """The graph's nodes numbered in the order the graph holds them (a lowered program's: the
+    traced order, then the markers), for the rules' walks: each operand is looked up by name
+    once, then the rules index lists by number. At 100k nodes the graph's name-keyed dicts no
+    longer fit the cache: a lookup by name costs ~4x what it does at 10k, as nearly every one
+    misses, while lists indexed by numbers given in traced order are read mostly in the order
+    they lie in memory. (The networkx graph stays the program's graph: `add` writes each edge
+    into its dicts, in the order the rules make them.)
+
+    `names`, `operands` (each node's operands' numbers, position for position with its op's
+    `operands`), `succ`/`pred` (the graph's adjacency, as numbers, kept in step by `add`: a
+    rule sees the edges the rules before it added, as on the graph), and `seq`, the schedule's
+    numbers in its order.
+    """
+
+    __slots__ = ("names", "seq", "operands", "succ", "pred", "_succd", "_predd", "_at", "_shared")
+
+    def __init__(self, program: Program, order: list[str], ops: list[Op], numbers: list[int] | None,
+                 operands: list[tuple[int, ...]] | None):
+        graph = program.graph
+        # networkx adds a node to its node, successor and predecessor dicts at once: the three
+        # hold the nodes in one order, so their values line up with the names
+        self.names = list(graph._succ)
+        self._succd = list(graph._succ.values())
+        self._predd = list(graph._pred.values())
+        self._shared = isinstance(graph, IRGraph)
+        self._at: dict[str, int] | None = None
+        size = len(self.names)
+        if operands is not None:  # the graph's edges are these operands' data edges
+            self.seq = numbers
+            self.operands = operands = list(operands)
+            operands += [()] * (size - len(operands))  # the markers just added
+            self.pred = pred = [list(dict.fromkeys(o)) if len(o) > 1 else list(o) for o in operands]
+            self.succ = succ = [[] for _ in range(size)]
+            for k, before in enumerate(pred):
+                for p in before:
+                    succ[p].append(k)
+            return
+        at = self.at
+        self.seq = list(map(at.__getitem__, order))
+        self.operands = [()] * size
+        for k, op in zip(self.seq, ops):
+            self.operands[k] = tuple(map(at.__getitem__, op.operands))
+        self.succ = [list(map(at.__getitem__, nbrs)) for nbrs in self._succd]
+        self.pred = [list(map(at.__getitem__, nbrs)) for nbrs in self._predd]
+
+    @property
+    def at(self) -> dict[str, int]:
+        """name -> number (made on first use: lowering's walks need it only for a rare name)."""
+        if self._at is None:
+            self._at = dict(zip(self.names, range(len(self.names))))
+        return self._at
+
+    def find(self, k: int, op: Op, name: str) -> int | None:
+        """The number of `name`, which node `k` (`op`) names in a field (its writes, alias, a
+        wait's launch): one of its operands nearly always; None when no node has that name."""
+        try:
+            return self.operands[k][op.operands.index(name)]
+        except ValueError:
+            return self.at.get(name)
+
+    def add(self, before: int, after: int, why: str) -> None:
+        """`Program.add_effect` of the two nodes, on the graph and on `succ`/`pred` (the caller
+        clears networkx's cache once done)."""
+        if before == after:
+            return
+        name = self.names[after]
+        nbrs = self._succd[before]
+        if name in nbrs:
+            return
+        nbrs[name] = self._predd[after][self.names[before]] = (
+            _effect_attrs(why) if self._shared else {"kind": EFFECT, "why": why})
+        self.succ[before].append(after)
+        self.pred[after].append(before)
 
 
 def _of(kinds: list[type], present: set[type], classes: tuple[type, ...]):
@@ -215,142 +310,162 @@ def _of(kinds: list[type], present: set[type], classes: tuple[type, ...]):
     return map(table.__getitem__, kinds)
 
 
-def _roots_in_order(program: Program, order: list[str], ops: list[Op]) -> dict[str, tuple[str, str | None]]:
-    """`storage_roots`, in one walk down the order when every view's (and alias's) source comes
-    before it, as in a lowered graph; otherwise (hand-written text may refer forward)
+def _roots_in_order(program: Program, g: _Numbered, seq: list[int],
+                    ops: list[Op]) -> tuple[list[int | None], list[int | None]]:
+    """`storage_roots` by number (per node, its root's number, and the first `maybe` view's on
+    the way or None), in one walk down the order when every view's (and alias's) source comes
+    before it, as in a lowered graph; otherwise (hand-written text may refer forward) from
     `storage_roots` itself."""
-    roots: dict[str, tuple[str, str | None]] = {}
-    node = program.graph._node
-    for name, op in zip(order, ops):
+    size = len(g.names)
+    root: list[int | None] = [None] * size
+    via: list[int | None] = [None] * size
+    operands = g.operands
+    for k, op in zip(seq, ops):
         if isinstance(op, View):
-            source = op.operands[0] if op.operands else None
+            source = operands[k][0] if op.operands else None
+        elif op.alias is not None:
+            source = g.find(k, op, op.alias)
         else:
-            source = op.alias
-        if source is None or source not in node:
-            roots[name] = (name, None)
+            source = None
+        if source is None:
+            root[k] = k
             continue
-        found = roots.get(source)
+        found = root[source]
         if found is None:  # a source later in the order, or a cycle
-            return storage_roots(program)
-        root, via = found
-        roots[name] = (root, via) if via is not None or not (isinstance(op, View) and op.maybe) else (root, name)
-    return roots
+            at = g.at
+            for name, (r, v) in storage_roots(program).items():
+                k = at[name]
+                root[k], via[k] = at[r], (None if v is None else at[v])
+            return root, via
+        root[k] = found
+        v = via[source]
+        via[k] = v if v is not None or not (isinstance(op, View) and op.maybe) else k
+    return root, via
 
 
-def _storage_edges(program: Program, order: list[str], ops: list[Op]) -> None:
+def _storage_edges(program: Program, g: _Numbered, seq: list[int], ops: list[Op]) -> None:
     """`storage` and `free` edges: per storage, the last writer (or free) and the readers since;
     a reader follows the last writer, a writer follows the readers since (or, with none, the
-    last writer). Each access costs O(1)."""
-    roots = _roots_in_order(program, order, ops)
-    add_effect = program.add_effect
-    last_write: dict[str, str] = {}
-    readers: dict[str, list[str]] = {}
-    freed: dict[str, str] = {}
-    in_flight: dict[str, list[tuple[str, list[str]]]] = {}  # launch -> (storage it reads, readers then)
-    writing: dict[str, str] = {}  # storage -> the in-place collective writing it until its wait
-    for name, op in zip(order, ops):
-        operands = op.operands
-        if not operands:
+    last writer). Each access costs O(1). Storages are their roots' numbers."""
+    roots, vias = _roots_in_order(program, g, seq, ops)
+    add, names, operand_numbers, find = g.add, g.names, g.operands, g.find
+    last_write: dict[int, int] = {}
+    readers: dict[int, list[int]] = {}
+    freed: dict[int, int] = {}
+    in_flight: dict[int, list[tuple[int, list[int]]]] = {}  # launch -> (storage it reads, readers then)
+    writing: dict[int, int] = {}  # storage -> the in-place collective writing it until its wait
+    for k, op in zip(seq, ops):
+        if not op.operands:
             continue
+        operands = operand_numbers[k]
         if type(op) is Wait:
-            if op.launched_by in in_flight:
-                _collective_read(program, name, op, op.launched_by, in_flight, roots, last_write, readers, freed)
+            launch = operands[0]  # the launch, or (where `op.launch` names it) a view of a coalesced one's result
+            if op.launch is not None:
+                source = operand_numbers[launch]
+                launch = source[0] if source and names[source[0]] == op.launch else find(k, op, op.launch)
+            if launch in in_flight:
+                _collective_read(program, g, k, op, launch, in_flight, roots, last_write, readers, freed)
             if writing:  # an in-place collective's write ends at its wait
-                for root in [r for r, launch in writing.items() if launch == op.launched_by]:
+                for root in [r for r, by in writing.items() if by == launch]:
                     del writing[root]
-        elif type(op) is Opaque and op.reason == WAIT_ON_NO_LAUNCH and (launch := roots[operands[0]][0]) in in_flight:
+        elif type(op) is Opaque and op.reason == WAIT_ON_NO_LAUNCH and (launch := roots[operands[0]]) in in_flight:
             # a wait on an opaque collective's result completes it: the same read
-            _collective_read(program, name, op, launch, in_flight, roots, last_write, readers, freed)
+            _collective_read(program, g, k, op, launch, in_flight, roots, last_write, readers, freed)
         is_free = isinstance(op, Free)
         if op.writes or is_free:
-            written = [roots[w][0] for w in op.writes]
+            written = [roots[find(k, op, w)] for w in op.writes]
             if is_free:
-                written.append(roots[operands[0]][0])
+                written.append(roots[operands[0]])
         else:
             written = ()
         for operand in operands:
-            root, via = roots[operand]
+            root = roots[operand]
             if root in written or (is_free and root in freed):  # a write covers its read; freeing twice reads nothing
                 continue
             if root in freed:
+                via = vias[operand]
                 if via is not None:
-                    program.notes.append(f"%{name} reads %{via}, which may alias storage %{freed[root]} freed before "
-                                         f"it: taken for a copy (no order kept with the free)")
+                    program.notes.append(f"%{names[k]} reads %{names[via]}, which may alias storage "
+                                         f"%{names[freed[root]]} freed before it: taken for a copy (no order kept "
+                                         "with the free)")
                     continue
-                raise EffectError(f"%{name} reads storage that %{freed[root]} freed before it "
+                raise EffectError(f"%{names[k]} reads storage that %{names[freed[root]]} freed before it "
                                   f"(use after free in the input graph)")
             if writing and root in writing:  # (not the collective's own wait: it ended the write above)
-                program.notes.append(f"%{name} reads storage the collective %{writing[root]} writes until its wait: "
-                                     "the input races with its collective (kept between them, as in the input)")
+                program.notes.append(f"%{names[k]} reads storage the collective %{names[writing[root]]} writes "
+                                     "until its wait: the input races with its collective (kept between them, "
+                                     "as in the input)")
             writer = last_write.get(root)
             if writer is not None:
-                add_effect(writer, name, "storage")
+                add(writer, k, "storage")
             since = readers.get(root)
             if since is None:
-                since = readers[root] = [name]
-            elif since[-1] != name:
-                since.append(name)
+                since = readers[root] = [k]
+            elif since[-1] != k:
+                since.append(k)
             if type(op) is Launch or type(op) is Opaque:  # a collective reads until its wait
-                in_flight.setdefault(name, []).append((root, since))
+                in_flight.setdefault(k, []).append((root, since))
         if not written:
             continue
         why = "free" if is_free else "storage"
         for root in dict.fromkeys(written):
             if root in freed:
                 if is_free:  # freed again: after the first free, which follows every access
-                    add_effect(freed[root], name, "free")
+                    add(freed[root], k, "free")
                     continue
-                raise EffectError(f"%{name} writes storage that %{freed[root]} freed before it "
+                raise EffectError(f"%{names[k]} writes storage that %{names[freed[root]]} freed before it "
                                   f"(use after free in the input graph)")
             since = readers.pop(root, None)
             if since:
                 for reader in since:
-                    add_effect(reader, name, why)
+                    add(reader, k, why)
             elif root in last_write:
-                add_effect(last_write[root], name, why)
-            last_write[root] = name
+                add(last_write[root], k, why)
+            last_write[root] = k
             if is_free:
-                freed[root] = name
+                freed[root] = k
             if type(op) is Launch:  # an in-place collective (all_reduce_, an `out=` gather) writes until its wait
-                writing[root] = name
+                writing[root] = k
 
 
-def _collective_read(program: Program, name: str, op: Op, launch: str, in_flight: dict[str, list],
-                     roots: dict, last_write: dict[str, str], readers: dict[str, list[str]],
-                     freed: dict[str, str]) -> None:
-    """The wait `name` (`op`) reads what `launch` read (the collective reads it until the wait),
+def _collective_read(program: Program, g: _Numbered, k: int, op: Op, launch: int, in_flight: dict[int, list],
+                     roots: list, last_write: dict[int, int], readers: dict[int, list[int]],
+                     freed: dict[int, int]) -> None:
+    """The wait `k` (`op`) reads what `launch` read (the collective reads it until the wait),
     so a later write or free of it follows the wait. `in_flight[launch]`: each storage the launch
     read, with its readers list then (the same list still there: no write since, and no edge is
     needed)."""
-    own = {roots[w][0] for w in op.writes}  # an in-place collective's wait writes its buffer
+    names = g.names
+    own = {roots[g.find(k, op, w)] for w in op.writes}  # an in-place collective's wait writes its buffer
     for root, then in in_flight[launch]:
         if root in own:
             continue
         own.add(root)  # read once, however many operands share it
         if root in freed:
-            program.notes.append(f"%{freed[root]} frees storage the collective %{launch} reads until its wait "
-                                 f"%{name}: kept before the wait as in the input (counted live until the wait)")
+            program.notes.append(f"%{names[freed[root]]} frees storage the collective %{names[launch]} reads until "
+                                 f"its wait %{names[k]}: kept before the wait as in the input (counted live until "
+                                 "the wait)")
             continue
         since = readers.get(root)
         if since is not then:  # written since the launch: the input races with its collective
             writer = last_write[root]
-            program.notes.append(f"%{writer} writes storage the collective %{launch} reads until its wait "
-                                 f"%{name}: kept before the wait as in the input")
-            program.add_effect(writer, name, "storage")
+            program.notes.append(f"%{names[writer]} writes storage the collective %{names[launch]} reads until its "
+                                 f"wait %{names[k]}: kept before the wait as in the input")
+            g.add(writer, k, "storage")
         if since is None:
-            readers[root] = [name]
-        elif since[-1] != name:
-            since.append(name)
+            readers[root] = [k]
+        elif since[-1] != k:
+            since.append(k)
 
 
-def _collective_edges(program: Program, order: list[str], ops: list[Op], kinds: list[type],
+def _collective_edges(g: _Numbered, seq: list[int], ops: list[Op], kinds: list[type],
                       present: set[type]) -> None:
     """`collective-order`: per process group, non-gather launches and opaque collectives keep
     their order (those marked `unordered` only against the others); one with no known group
     follows the latest of every group, and they follow it."""
-    add_effect = program.add_effect
-    for before, after in collective_order(compress(zip(order, ops), _of(kinds, present, (Launch, Opaque)))):
-        add_effect(before, after, "collective-order")
+    add = g.add
+    for before, after in collective_order(compress(zip(seq, ops), _of(kinds, present, (Launch, Opaque)))):
+        add(before, after, "collective-order")
 
 
 def collective_order(ops) -> list[tuple[str, str]]:
@@ -401,14 +516,14 @@ def collective_order(ops) -> list[tuple[str, str]]:
 
 
 # The rules below test every node's neighbours, so their per-step cost is most of
-# derive_effects: they read networkx's adjacency dicts directly and use for/else rather
-# than any(generator).
+# derive_effects: they read the numbered adjacency lists and use for/else rather than
+# any(generator).
 
-def _barrier_and_phase_edges(program: Program, order: list[str], ops: list[Op]) -> None:
+def _barrier_and_phase_edges(g: _Numbered, seq: list[int], ops: list[Op], backward_marker: int | None) -> None:
     """`barrier`: a segment's last nodes (no successor in it) precede the barrier ending it, its
     first nodes (no predecessor in it) follow the barrier starting it; barriers keep their order.
-    `phase`: a forward op no forward op follows precedes `^backward`, a backward op no backward
-    op precedes follows it.
+    `phase`: a forward op no forward op follows precedes `^backward` (`backward_marker`, None
+    when the schedule has none), a backward op no backward op precedes follows it.
 
     One walk for both rules: each phased op gets a code, 2 * segment + (1 if backward); a
     neighbour with the op's own code (in its segment and its phase: nearly always the first
@@ -419,106 +534,112 @@ def _barrier_and_phase_edges(program: Program, order: list[str], ops: list[Op]) 
     test reads its neighbours (as when the barrier rule ran first); a barrier's neighbours are
     complete only once the walk is done, so barriers take their phase test after it.
     """
-    add_effect = program.add_effect
-    barriers: list[str] = []
-    code: dict[str, int] = {}  # every phased op (barriers too), in schedule order
-    backward, phases = Phase.BACKWARD, False
-    for name, op in zip(order, ops):
+    add = g.add
+    barriers: list[int] = []
+    code: list[int | None] = [None] * len(g.names)  # every phased op's (barriers' too); None: unphased
+    phased: list[int] = []  # the phased ops, in schedule order
+    backward = Phase.BACKWARD
+    for k, op in zip(seq, ops):
         if isinstance(op, _UNPHASED):
-            phases = phases or name == BACKWARD
-        elif isinstance(op, Barrier):
+            continue
+        if isinstance(op, Barrier):
             if barriers:
-                add_effect(barriers[-1], name, "barrier")
-            barriers.append(name)
-            code[name] = -2 * len(barriers) + (op.phase is backward)
+                add(barriers[-1], k, "barrier")
+            barriers.append(k)
+            code[k] = -2 * len(barriers) + (op.phase is backward)
         else:
-            code[name] = 2 * len(barriers) + (op.phase is backward)
+            code[k] = 2 * len(barriers) + (op.phase is backward)
+        phased.append(k)
+    phases = backward_marker is not None
     if not barriers and not phases:
         return
-    graph = program.graph
-    succ, pred, get = graph._succ, graph._pred, code.get
+    succ, pred = g.succ, g.pred
     last = len(barriers)
-    for name, c in code.items():
+    for k in phased:
+        c = code[k]
         if c < 0:  # a barrier: its phase test after the walk
             continue
         seg = c >> 1
-        nbrs = succ[name]
+        nbrs = succ[k]
         for s in nbrs:
-            if get(s) == c:
+            if code[s] == c:
                 break
         else:
             if seg < last:  # the segment's last node(s): before the barrier that ends it
                 for s in nbrs:
-                    x = get(s)
+                    x = code[s]
                     if x is not None and x >> 1 == seg:
                         break
                 else:
-                    add_effect(name, barriers[seg], "barrier")
+                    add(k, barriers[seg], "barrier")
             if phases and not c & 1:  # forward, and no forward op after it (barrier edge included)
                 for s in nbrs:
-                    x = get(s)
+                    x = code[s]
                     if x is not None and not x & 1:
                         break
                 else:
-                    add_effect(name, BACKWARD, "phase")
-        nbrs = pred[name]
+                    add(k, backward_marker, "phase")
+        nbrs = pred[k]
         for p in nbrs:
-            if get(p) == c:
+            if code[p] == c:
                 break
         else:
             if seg > 0:  # the segment's first node(s): after the barrier that starts it
                 for p in nbrs:
-                    x = get(p)
+                    x = code[p]
                     if x is not None and x >> 1 == seg:
                         break
                 else:
-                    add_effect(barriers[seg - 1], name, "barrier")
+                    add(barriers[seg - 1], k, "barrier")
             if phases and c & 1:  # backward, and no backward op before it
                 for p in nbrs:
-                    x = get(p)
+                    x = code[p]
                     if x is not None and x & 1:
                         break
                 else:
-                    add_effect(BACKWARD, name, "phase")
+                    add(backward_marker, k, "phase")
     if phases:
-        for name in barriers:
-            if code[name] & 1:
-                for p in pred[name]:
-                    x = get(p)
+        for k in barriers:
+            if code[k] & 1:
+                for p in pred[k]:
+                    x = code[p]
                     if x is not None and x & 1:
                         break
                 else:
-                    add_effect(BACKWARD, name, "phase")
+                    add(backward_marker, k, "phase")
             else:
-                for s in succ[name]:
-                    x = get(s)
+                for s in succ[k]:
+                    x = code[s]
                     if x is not None and not x & 1:
                         break
                 else:
-                    add_effect(name, BACKWARD, "phase")
+                    add(k, backward_marker, "phase")
 
 
-def _boundary_edges(program: Program, order: list[str], ops: list[Op], kinds: list[type],
-                    present: set[type]) -> None:
-    graph = program.graph
-    add_effect = program.add_effect
-    outputs = list(compress(order, _of(kinds, present, (Output,))))
-    inputs = list(compress(order, _of(kinds, present, (Input,))))
+def _boundary_edges(g: _Numbered, seq: list[int], ops: list[Op], kinds: list[type], present: set[type],
+                    entry: int) -> None:
+    """`entry`: the inputs in their order, then `^entry` (`entry`), before every op that
+    nothing but inputs precedes; `output`: every op nothing follows precedes the output."""
+    add = g.add
+    outputs = list(compress(seq, _of(kinds, present, (Output,))))
+    inputs = list(compress(seq, _of(kinds, present, (Input,))))
     for before, after in zip(inputs, inputs[1:]):  # the raised function keeps its signature
-        add_effect(before, after, "entry")
+        add(before, after, "entry")
     if inputs:
-        add_effect(inputs[-1], ENTRY, "entry")
-    input_names = set(inputs)
-    succ, pred = graph._succ, graph._pred
-    for name, op in zip(order, ops):
-        if isinstance(op, Input) or name == ENTRY:
+        add(inputs[-1], entry, "entry")
+    is_input = [False] * len(g.names)
+    for k in inputs:
+        is_input[k] = True
+    succ, pred = g.succ, g.pred
+    for k, op in zip(seq, ops):
+        if isinstance(op, Input) or k == entry:
             continue
-        for p in pred[name]:  # nothing but inputs before it: after ^entry
-            if p not in input_names:
+        for p in pred[k]:  # nothing but inputs before it: after ^entry
+            if not is_input[p]:
                 break
         else:
-            add_effect(ENTRY, name, "entry")
+            add(entry, k, "entry")
         # an op nothing follows precedes the output (once it does, it has a successor: so the
         # first output only)
-        if outputs and not isinstance(op, Output) and not succ[name]:
-            add_effect(name, outputs[0], "output")
+        if outputs and not isinstance(op, Output) and not succ[k]:
+            add(k, outputs[0], "output")

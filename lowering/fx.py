@@ -492,6 +492,12 @@ class _Lowering:
         self.results: dict[str, tuple | list] = {}  # a c10d op (or a getitem of its result) -> what it returns
         self.same: dict[str, str] = {}  # a getitem of a c10d op's result -> the argument it is
         self.rebinds: list[str] = []  # the `set_` calls (each rebinds its first operand to another storage)
+        # the nodes lowered so far -> their positions, and each op's operands as positions (what
+        # derive_effects walks: found here, by node, where the node's inputs are at hand); None
+        # once an input is no node lowered before it (add_all then says which)
+        self.position: dict[fx.Node, int] = {}
+        self.positions: list[tuple[int, ...]] | None = []
+        self.aliasable: dict[str, int] = {}  # inputs and get_attrs (what an alias of one reads) -> positions
 
     def target(self, node: fx.Node) -> _Target:
         key = (node.op, id(node.target))
@@ -768,6 +774,13 @@ class _Lowering:
         kind = node.op
         # the inputs read off the node's own dict of them (`all_input_nodes` copies it to a list)
         name, operands = node.name, tuple(map(_NAME, node._input_nodes))
+        position = self.position
+        if self.positions is not None:
+            try:
+                self.positions.append(tuple(map(position.__getitem__, node._input_nodes)))
+            except KeyError:
+                self.positions = None
+        position[node] = len(position)
         types = value_types(node, self.types)
         # the output ends the program and inputs read nothing: derive_effects's order rules
         # (ir/effects.py) then keep the graph's own order, which the manager relies on (api.py)
@@ -777,8 +790,10 @@ class _Lowering:
             if operands:
                 raise LoweringError(f"input %{node.name} reads {['%' + o for o in operands]}: "
                                     "an input's default may not be another node")
+            self.aliasable[name] = position[node]
             first = _earlier(self.input_storages, self.storage(node), name)
             if first is not None:
+                self.realias(first)
                 # inputs traced as views of one storage (make_fx(f)(x[:3], x[1:])): the later is an
                 # alias of the first, so that writes through one are ordered against reads of the other
                 return Input.make(name, (first,), Phase.FORWARD, types, target=str(node.target), alias=first)
@@ -791,8 +806,10 @@ class _Lowering:
         # `Op.make`: no conversion, as every value here already has its field's type)
         base = (name, operands, phase, types)  # for the helpers below
         if kind == "get_attr":
+            self.aliasable[name] = position[node]
             first = self.attribute(node)
             if first is not None:
+                self.realias(first)
                 # the same tensor (or storage) read again: an alias of the first read, so that the
                 # writes through one are ordered against the reads through the other
                 return Constant.make(name, (first,), phase, types, target=str(node.target), alias=first)
@@ -866,6 +883,11 @@ class _Lowering:
             return Cast.make(name, operands, phase, types, target=target, alias=alias)
         return Compute.make(name, operands, phase, types, target=target, heavy=info.heavy, attention=info.attention,
                             random=random, writes=writes, alias=alias)
+
+    def realias(self, first: str) -> None:
+        """The op being lowered reads `first` (an earlier input or get_attr), not its node's inputs."""
+        if self.positions is not None:
+            self.positions[-1] = (self.aliasable[first],)
 
     def view(self, node: fx.Node, info: _Target, base: tuple) -> Op:
         """A schema alias: a view; one that may copy (reshape, contiguous, to) is a view when its
@@ -1081,6 +1103,7 @@ def _lower(gm: fx.GraphModule) -> Program:
     ops = [lowering.lower(node) for node in nodes]
     if lowering.rebinds or lowering.same:
         ops = _rebind(ops, set(lowering.rebinds), lowering.same)
+        lowering.positions = None  # some operands are now other nodes: derive_effects finds them by name
     if lowering.module_calls:
         _module_state_barriers(ops, lowering)
     program.add_all(ops)
@@ -1092,7 +1115,9 @@ def _lower(gm: fx.GraphModule) -> Program:
     program.notes[:0] = lowering.notes
     program.schedule = Schedule(order)
     try:
-        derive_effects(program, ops)  # the ops in the schedule's order: no lookup per name to find them again
+        # the ops in the schedule's (and the graph's) order, and their operands by position: no
+        # lookup per name to find them again
+        derive_effects(program, ops, lowering.positions)
     except EffectError as exc:
         raise LoweringError(str(exc)) from exc
     return program

@@ -19,8 +19,9 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 import fxsched
 from irtest import dedent, run
-from fxsched.ir import (Barrier, Compute, Opaque, ParseError, VerifyError, View, Wait, parse_program, print_program,
-                        verify)
+from fxsched.front.generate import generate_graph
+from fxsched.ir import (BACKWARD, ENTRY, Barrier, Compute, Opaque, ParseError, Schedule, VerifyError, View, Wait,
+                        derive_effects, parse_program, print_program, verify)
 from fxsched.ir import effects as effects_module
 verify_module = importlib.import_module("fxsched.ir.verify")
 from fxsched.lowering import lower
@@ -472,3 +473,44 @@ def test_python_random_calls_share_the_rng_and_keep_their_order():
     program.schedule.move_before(["rand_like"], "dropout")  # no data edge between them: only the RNG orders them
     with pytest.raises(VerifyError, match="rand_like"):
         verify(program)
+
+
+# ---- lowering's numbered path ------------------------------------------------------------------
+
+def _aliased_inputs():
+    def f(a, b):
+        y = a * 2
+        b.add_(1)
+        return y + a
+
+    base = torch.arange(4.0)
+    return make_fx(f, tracing_mode="fake")(base[:3], base[1:])
+
+
+def _get_attr_twice():
+    root = nn.Module()
+    root.register_buffer("buf", torch.arange(4.0))
+    graph = fx.Graph()
+    x = graph.placeholder("x")
+    graph.call_method("add_", (graph.get_attr("buf"), 1))
+    graph.output(graph.call_function(operator.add, (x, graph.call_function(operator.mul, (graph.get_attr("buf"), 3)))))
+    return fx.GraphModule(root, graph)
+
+
+@pytest.mark.parametrize("make", [lambda: generate_graph(1500, seed=3, buckets=True), _aliased_inputs, _get_attr_twice,
+                                  lambda: fx.symbolic_trace(_RandomCalls())])
+def test_lowering_derives_by_position_the_edges_names_give(make):
+    """Lowering hands derive_effects its ops' operands as positions (an aliased input's or
+    get_attr's: the first one's); deriving again from the names alone, on the same program
+    without its effect edges and markers, adds the same edges, each in the same place of the
+    graph's adjacency (the passes read it in that order)."""
+    program = lower(make())
+    again = program.copy()
+    again.graph.remove_edges_from([(u, v) for u, v, e in program.graph.edges(data=True) if e["kind"] != "data"])
+    again.graph.remove_nodes_from([ENTRY, BACKWARD])
+    again.schedule = Schedule(n for n in program.schedule if n not in (ENTRY, BACKWARD))
+    derive_effects(again)
+    assert again.schedule == program.schedule
+    for adjacency in ("_succ", "_pred"):
+        assert ([(n, list(nbrs.items())) for n, nbrs in getattr(again.graph, adjacency).items()]
+                == [(n, list(nbrs.items())) for n, nbrs in getattr(program.graph, adjacency).items()])
