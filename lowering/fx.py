@@ -144,7 +144,7 @@ class _Target(NamedTuple):
     group_at: int | None  # position of the `group_name` argument, if the schema has one
     group_size_at: int | None  # position of the (last) `group_size` argument
     reduce_op_at: int | None  # position of the `reduce_op` argument, if the schema has one
-    returns_first: bool  # a c10d op returning (the tensors of) its first argument
+    returned: tuple[int | None, ...]  # per element of a tuple result, the argument it is (`_returned`), or ()
 
 
 def _composite(schema) -> bool:
@@ -393,10 +393,28 @@ def _classify(op: str, target) -> _Target:
         group_at=arguments.index("group_name") if "group_name" in arguments else None,
         group_size_at=len(arguments) - 1 - arguments[::-1].index("group_size") if "group_size" in arguments else None,
         reduce_op_at=arguments.index("reduce_op") if "reduce_op" in arguments else None,
-        returns_first=schema is not None and schema.name.startswith("c10d::") and bool(schema.returns)
-        and _tensors_type(schema.returns[0].type) and bool(schema.arguments)
-        and _tensors_type(schema.arguments[0].type),
+        returned=_returned(schema) if schema is not None else (),
     )
+
+
+def _returned(schema) -> tuple[int | None, ...]:
+    """For an op returning a tuple, per element the position of the argument it is (None: fresh
+    storage); () for any other op. An out= overload returns the tensors it writes
+    (`max.dim_max(..., Tensor(a!) max, Tensor(b!) max_values) -> (Tensor(a!), Tensor(b!))`); a c10d
+    op (`allreduce_([x], group, ...) -> (Tensor[], Work)`, what make_fx records of `dist.*`) returns
+    its first argument's tensors, which its schema does not say."""
+    if schema.name.startswith("c10d::"):
+        if (schema.returns and schema.arguments and _tensors_type(schema.returns[0].type)
+                and _tensors_type(schema.arguments[0].type)):
+            return (0,) + (None,) * (len(schema.returns) - 1)
+        return ()
+    if len(schema.returns) < 2:
+        return ()
+    written = {frozenset(a.alias_info.before_set): at for at, a in enumerate(schema.arguments)
+               if a.alias_info is not None and a.alias_info.is_write}
+    found = tuple(written.get(frozenset(r.alias_info.before_set))
+                  if r.alias_info is not None and r.alias_info.is_write else None for r in schema.returns)
+    return found if any(at is not None for at in found) else ()
 
 
 def _tensors_type(kind) -> bool:
@@ -489,8 +507,8 @@ class _Lowering:
         self.module_calls: list[tuple[str, frozenset[int]]] = []  # call_module reading state: (name, storages)
         self.returns: dict[int, list[int] | None] = {}  # id of a subgraph -> `returned_inputs`
         self.fake_mode = None  # the FakeTensorMode of the first val with storage (see `storage`)
-        self.results: dict[str, tuple | list] = {}  # a c10d op (or a getitem of its result) -> what it returns
-        self.same: dict[str, str] = {}  # a getitem of a c10d op's result -> the argument it is
+        self.results: dict[str, tuple | list] = {}  # an op returning its arguments (or a getitem of its result) -> what it returns
+        self.same: dict[str, str] = {}  # a getitem of such a result -> the argument it is
         self.rebinds: list[str] = []  # the `set_` calls (each rebinds its first operand to another storage)
         # the nodes lowered so far -> their positions, and each op's operands as positions (what
         # derive_effects walks: found here, by node, where the node's inputs are at hand); None
@@ -574,8 +592,16 @@ class _Lowering:
             self.returns[key] = [at for at, name in enumerate(inputs) if name in returned]
         return self.returns[key]
 
+    @staticmethod
+    def argument(node: fx.Node, schema, at: int):
+        """The value the call passes for the schema's argument at position `at`."""
+        argument = schema.arguments[at]
+        if at < len(node.args) and not argument.kwarg_only:
+            return node.args[at]
+        return node.kwargs.get(argument.name)
+
     def result_item(self, node: fx.Node) -> None:
-        """`getitem(source, i)` of a c10d op's result (at any depth): record what it is, the
+        """`getitem(source, i)` of a result in `results` (at any depth): record what it is, the
         argument's tensor (`same`), or its list (`results`)."""
         source, at = node.args[0], node.args[1]
         value = self.results.get(source.name) if isinstance(source, fx.Node) else None
@@ -847,11 +873,11 @@ class _Lowering:
         if (kind == "call_function" and node.target is getattr and len(node.args) == 2
                 and node.args[1] in _VIEW_ATTRIBUTES and isinstance(node.args[0], fx.Node)):
             return View.make(name, operands, phase, types, target=target)
-        if info.returns_first:
-            # a c10d op (`dist.all_reduce` traced by make_fx: `allreduce_([x], group, ...)`) returns the
-            # tensors of its first argument, which it writes, and its schema says neither: its
-            # getitems are those tensors (`result_item`)
-            self.results[name] = (node.args[0] if node.args else None,)
+        if info.returned:
+            # a tuple of the tensors it was given (out= overloads, c10d ops): its getitems are those
+            # tensors (`result_item`), not fresh storage nor all the first one's
+            self.results[name] = tuple(None if at is None else self.argument(node, info.schema, at)
+                                       for at in info.returned)
         writes, alias, unknown = self.writes(node, info)
         # a random call touches the RNG state only: ordered with the other random ops, no barrier
         # (torch calls Python's torch.rand* impure whatever impure_random says)
@@ -1041,8 +1067,8 @@ def _rebind(ops: list[Op], rebinds: set[str], same: dict[str, str]) -> list[Op]:
     through the result of an in-place op on x, which is x) access y's storage, while views of x
     taken before keep x's. Storage roots are static per value, so such a use reads the `set_`
     (whose result aliases y) in the IR: raised, it reads the set_'s result, which is x.
-    `same`: a getitem of a c10d op's result -> the tensor the op was given and returns (raised,
-    a use reads that tensor, the same object).
+    `same`: a getitem of a result -> the tensor the op was given and returns (an out= overload's,
+    a c10d op's): raised, a use reads that tensor, the same object.
     """
     identity: dict[str, str] = {}  # a value -> the tensor object it is (an in-place op's result is its operand)
     now: dict[str, str] = {}  # a tensor object -> the set_ that last rebound it

@@ -290,6 +290,24 @@ def test_dynamo_level_collectives_in_random_legal_orders_are_bitwise_on_two_rank
     check_bitwise(results, ["dynamo graph"], "a legal order", per_key=len(jobs))
 
 
+# --------------------------------------------------------------------------- tuple results
+
+
+def test_each_element_of_an_out_overloads_tuple_is_the_tensor_it_wrote():
+    """`max.dim_max(x, 0, max=v, max_values=i) -> (Tensor(a!), Tensor(b!))`: the op's result aliased
+    v only, so its second getitem (i itself) read v's storage, and `i.add_` was free to cross it."""
+    def build(g):
+        x, v, i = g.placeholder("x"), g.placeholder("v"), g.placeholder("i")
+        r = g.call_function(torch.ops.aten.max.dim_max, (x, 0, False), {"max": v, "max_values": i})
+        idx = g.call_function(operator.getitem, (r, 1))
+        g.call_function(torch.ops.aten.add_.Tensor, (i, 1))
+        g.output((g.call_function(operator.mul, (idx, 2)), g.call_function(operator.neg, (v,))))
+
+    gm = _graph(build)
+    assert lower(gm).op("mul").operands == ("i",)  # raised, it reads i: the same tensor
+    assert_every_legal_order_computes_the_same(gm, [torch.randn(3, 4), torch.empty(4), torch.zeros(4, dtype=torch.long)])
+
+
 # --------------------------------------------------------------------------- c10d ops (make_fx of dist.*)
 
 
