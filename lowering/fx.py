@@ -80,6 +80,10 @@ _PY_INPLACE = frozenset({"iadd", "isub", "imul", "imatmul", "itruediv", "ifloord
                          "ixor", "ilshift", "irshift", "setitem", "delitem"})
 # tensor attributes that are views of the tensor (`x.T`: symbolic_trace records `getattr(x, "T")`)
 _VIEW_ATTRIBUTES = frozenset({"T", "mT", "H", "mH", "real", "imag", "data"})
+# tensor attributes that are no tensor (`getattr(x, "shape")`): any other may be one held by x
+_PLAIN_ATTRIBUTES = frozenset({"shape", "dtype", "device", "ndim", "layout", "requires_grad", "is_leaf", "is_cuda",
+                               "is_cpu", "is_meta", "is_sparse", "is_quantized", "is_nested", "names", "itemsize",
+                               "nbytes", "grad_fn", "output_nr", "_version", "is_mkldnn", "name"})
 # modules of Python callables fxsched knows by their name (torch's functions, operator, builtins)
 _KNOWN_MODULES = ("torch", "_operator", "operator", "builtins", "math")
 
@@ -144,6 +148,7 @@ class _Target(NamedTuple):
     group_at: int | None  # position of the `group_name` argument, if the schema has one
     group_size_at: int | None  # position of the (last) `group_size` argument
     reduce_op_at: int | None  # position of the `reduce_op` argument, if the schema has one
+    python_written: tuple  # a Python call's: the schemas of aten's overloads of its name that write
     returned: tuple[int | None, ...]  # per element of a tuple result, the argument it is (`_returned`), or ()
 
 
@@ -389,7 +394,11 @@ def _classify(op: str, target) -> _Target:
         attention=attention,
         undeclared=_undeclared_at(target, short) if call and schema is None else (),
         inplace_at=_inplace_at(target) if call and schema is None else None,
-        side_effect=call and schema is None and _distributed(module, short),
+        # `loss.backward()` writes the `.grad` of every leaf it reaches, which no operand names
+        side_effect=schema is None and ((call and _distributed(module, short))
+                                        or (short == "backward" and (op == "call_method" or module.split(".")[0] == "torch"))),
+        python_written=_python_written(short) if schema is None and (
+            op == "call_method" or (call and module.split(".")[0] == "torch")) else (),
         group_at=arguments.index("group_name") if "group_name" in arguments else None,
         group_size_at=len(arguments) - 1 - arguments[::-1].index("group_size") if "group_size" in arguments else None,
         reduce_op_at=arguments.index("reduce_op") if "reduce_op" in arguments else None,
@@ -415,6 +424,16 @@ def _returned(schema) -> tuple[int | None, ...]:
     found = tuple(written.get(frozenset(r.alias_info.before_set))
                   if r.alias_info is not None and r.alias_info.is_write else None for r in schema.returns)
     return found if any(at is not None for at in found) else ()
+
+
+def _python_written(name: str) -> tuple:
+    """The schemas of `aten.<name>`'s overloads that write an argument (a Python call of that name
+    runs one of them)."""
+    packet = getattr(torch.ops.aten, name, None) if name.isidentifier() else None
+    if not isinstance(packet, torch._ops.OpOverloadPacket):
+        return ()
+    return tuple(schema for schema in (getattr(packet, o)._schema for o in packet.overloads())
+                 if _written_arguments(schema))
 
 
 def _tensors_type(kind) -> bool:
@@ -623,8 +642,7 @@ class _Lowering:
         try:
             return self.impurity[key]
         except KeyError:
-            found = self.impurity[key] = (node.op == "call_function" and self.target(node).side_effect
-                                          or node.is_impure(impure_random=False))
+            found = self.impurity[key] = self.target(node).side_effect or node.is_impure(impure_random=False)
             return found
 
     def opaque(self, node: fx.Node) -> bool:
@@ -785,6 +803,11 @@ class _Lowering:
         if inplace and first is not None:
             returns_it = info.name.rsplit(".", 1)[-1] not in ("setitem", "delitem")
             return (first.name,), (first.name if returns_it else None), False
+        if info.python_written:  # named like aten ops that write lists (`torch._foreach_add_([a, b], c)`): what they write
+            names = [n.name for schema in info.python_written for at, name in _written_arguments(schema)
+                     for n in _node_operands(args[at] if at < len(args) and not schema.arguments[at].kwarg_only
+                                             else kwargs.get(name))]
+            return tuple(dict.fromkeys(names)), None, False
         return (), None, False
 
     def phase(self, node: fx.Node) -> Phase:
@@ -871,8 +894,12 @@ class _Lowering:
                 self.result_item(node)
             return self.view(node, info, base)
         if (kind == "call_function" and node.target is getattr and len(node.args) == 2
-                and node.args[1] in _VIEW_ATTRIBUTES and isinstance(node.args[0], fx.Node)):
-            return View.make(name, operands, phase, types, target=target)
+                and isinstance(node.args[0], fx.Node) and node.args[1] not in _PLAIN_ATTRIBUTES):
+            if node.args[1] in _VIEW_ATTRIBUTES:
+                return View.make(name, operands, phase, types, target=target)
+            # `p.grad`, `p.main_grad`, `d._local_tensor`: a tensor that each getattr of it returns
+            # again, which one may write and another read: ordered as an alias of its owner
+            return View.make(name, operands, phase, types, target=target, maybe=True)
         if info.returned:
             # a tuple of the tensors it was given (out= overloads, c10d ops): its getitems are those
             # tensors (`result_item`), not fresh storage nor all the first one's

@@ -374,3 +374,64 @@ def test_make_fx_of_c10d_calls_reads_their_results_as_the_tensors_given(fake_gro
         program.schedule = Schedule(order)
         got = run(raise_program(program))
         assert all(torch.equal(a, b) for a, b in zip(expected, got)), [n for n in order if not n.startswith("^")]
+
+
+# --------------------------------------------------------------------------- Python calls that write what no operand names
+
+
+def test_a_traced_backward_and_reads_of_grad_keep_their_order():
+    """symbolic_trace of a step that calls `loss.backward()` and reads `w.grad` (each a getattr): the
+    backward was a pure call (it writes every leaf's grad), and each getattr of the grad a fresh
+    value, so reads of the grad crossed the backward and `g.mul_` (39 of 40 random legal orders
+    computed other numbers)."""
+    import copy
+
+    from fxsched.ir.program import Schedule
+    from fxsched.raising import raise_program
+
+    from test_fronts_attack import _random_orders
+
+    class Step(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+
+        def forward(self, x):
+            w = self.lin.weight
+            before = w.grad * 1
+            self.lin(x).sum().backward()
+            g = w.grad
+            after = g * 1
+            g.mul_(0.5)
+            return before, after, w.grad * 1, torch.neg(x)
+
+    torch.manual_seed(0)
+    gm = fx.symbolic_trace(Step())
+    program = lower(gm)
+    assert program.op("backward").reason == "side effect"
+    x = torch.randn(3, 4)
+
+    def run(module):
+        module = copy.deepcopy(module)
+        module.lin.weight.grad = torch.ones(4, 4)
+        return [t.detach() for t in module(x.clone())]
+
+    expected = run(gm)
+    for order in _random_orders(program, 20, 0):
+        program.schedule = Schedule(order)
+        assert all(torch.equal(a, b) for a, b in zip(expected, run(raise_program(program)))), order
+
+
+def test_python_foreach_calls_write_their_lists():
+    """`torch._foreach_add_([a, b], [c, c])` from Python (symbolic_trace, hand-built): a leading
+    underscore kept it from the in-place names and its first argument is a list, so it wrote
+    nothing; it writes what aten's `_foreach_add_` writes now."""
+    class Net(nn.Module):
+        def forward(self, a, b, c):
+            before = b * 1
+            torch._foreach_add_([a, b], [c, c])
+            return before, a * 2, c.neg()
+
+    gm = fx.symbolic_trace(Net())
+    assert lower(gm).op("_foreach_add_").writes == ("a", "b")
+    assert_every_legal_order_computes_the_same(gm, [torch.randn(3), torch.randn(3), torch.randn(3)])
