@@ -148,6 +148,7 @@ class _Target(NamedTuple):
     group_at: int | None  # position of the `group_name` argument, if the schema has one
     group_size_at: int | None  # position of the (last) `group_size` argument
     reduce_op_at: int | None  # position of the `reduce_op` argument, if the schema has one
+    several: bool  # may return views of each of several tensors it is given (`_SEVERAL`)
     python_written: tuple  # a Python call's: the schemas of aten's overloads of its name that write
     returned: tuple[int | None, ...]  # per element of a tuple result, the argument it is (`_returned`), or ()
 
@@ -161,6 +162,21 @@ def _composite(schema) -> bool:
         return torch._C._dispatch_has_kernel_for_dispatch_key(name, "CompositeImplicitAutograd")
     except RuntimeError:
         return True
+
+
+#: ops whose schema says the result is fresh but which may return their (first) tensor input or a
+#: view of it (`einsum("ij->ji", x)`, `x.type_as(y)` of y's type, `x.to_dense()` of a dense x,
+#: `sum_to_size` to x's size, the `unsafe_` splits, `torch.as_tensor(x)`): read as views that may
+#: copy, decided by meta["val"] where there is one. broadcast_tensors and meshgrid may return views
+#: of each of several inputs (`_several_sources`).
+MAY_RETURN_INPUT = frozenset({
+    "einsum", "type_as", "to_dense", "to_sparse", "chalf", "lift", "sum_to_size", "atleast_1d", "atleast_2d",
+    "atleast_3d", "unsafe_split", "unsafe_chunk", "unsafe_split_with_sizes", "flatten_dense_tensors", "as_tensor",
+    "asarray", "broadcast_tensors", "meshgrid", "_cast_Byte", "_cast_Char", "_cast_Double", "_cast_Float",
+    "_cast_Half", "_cast_Int", "_cast_Long", "_cast_Short"})
+#: of them, those that return (views of) all of several tensors they are given
+_SEVERAL = frozenset({"broadcast_tensors", "meshgrid", "atleast_1d", "atleast_2d", "atleast_3d",
+                      "flatten_dense_tensors"})
 
 
 #: Tensor methods with no aten op of their name that return the tensor itself when it already
@@ -362,6 +378,9 @@ def _classify(op: str, target) -> _Target:
     if schema is None and (op == "call_method" or (call and module.split(".")[0] == "torch")):
         # a Python call (`x.view(...)`, `x.reshape(...)`, `torch.t(x)`): what aten's op of that name says
         view, may_copy = _python_view(short)
+    base = schema.name.split("::")[-1] if schema is not None else short
+    if base in MAY_RETURN_INPUT and (schema is not None or op == "call_method" or module.split(".")[0] == "torch"):
+        view, may_copy = True, True
     py_inplace = (
         (op == "call_method" and isinstance(target, str) and target.endswith("_") and not target.startswith("_"))
         or (call and schema is None and not isinstance(target, torch._ops.OpOverloadPacket)
@@ -397,6 +416,7 @@ def _classify(op: str, target) -> _Target:
         # `loss.backward()` writes the `.grad` of every leaf it reaches, which no operand names
         side_effect=schema is None and ((call and _distributed(module, short))
                                         or (short == "backward" and (op == "call_method" or module.split(".")[0] == "torch"))),
+        several=view and base in _SEVERAL,
         python_written=_python_written(short) if schema is None and (
             op == "call_method" or (call and module.split(".")[0] == "torch")) else (),
         group_at=arguments.index("group_name") if "group_name" in arguments else None,
@@ -524,6 +544,7 @@ class _Lowering:
         self.attribute_storage: dict[str, int] = {}  # a get_attr of a tensor -> its storage
         self.states: dict[int, frozenset[int]] = {}  # id of a called module -> `module_state`
         self.module_calls: list[tuple[str, frozenset[int]]] = []  # call_module reading state: (name, storages)
+        self.several: list[tuple[str, tuple[str, ...]]] = []  # (op, operands) of views of several tensors
         self.returns: dict[int, list[int] | None] = {}  # id of a subgraph -> `returned_inputs`
         self.fake_mode = None  # the FakeTensorMode of the first val with storage (see `storage`)
         self.results: dict[str, tuple | list] = {}  # an op returning its arguments (or a getitem of its result) -> what it returns
@@ -892,6 +913,8 @@ class _Lowering:
         if info.view:
             if self.results and node.target is operator.getitem:
                 self.result_item(node)
+            if info.several and len(operands) > 1:
+                self.several.append((name, operands))
             return self.view(node, info, base)
         if (kind == "call_function" and node.target is getattr and len(node.args) == 2
                 and isinstance(node.args[0], fx.Node) and node.args[1] not in _PLAIN_ATTRIBUTES):
@@ -1119,6 +1142,30 @@ def _rebind(ops: list[Op], rebinds: set[str], same: dict[str, str]) -> list[Op]:
     return result
 
 
+def _check_several_sources(ops: list[Op], several: list[tuple[str, tuple[str, ...]]]) -> None:
+    """`broadcast_tensors(a, b)`, `meshgrid(a, b)`: the results view a and b, and an op (a view)
+    says one source: it is lowered as a view of a. A write of b (or of anything of b's storage)
+    anywhere in the graph could then cross a read of a result: a LoweringError naming both,
+    rather than a schedule that may read other numbers."""
+    roots: dict[str, str] = {}
+    writers: dict[str, str] = {}  # a storage root -> the first op writing it
+    for op in ops:
+        source = (op.operands[0] if op.operands else None) if isinstance(op, View) else op.alias
+        if source is not None:
+            roots[op.name] = roots.get(source, source)
+        for name in op.writes:
+            writers.setdefault(roots.get(name, name), op.name)
+    for name, operands in several:
+        first = roots.get(operands[0], operands[0])
+        for operand in operands[1:]:
+            root = roots.get(operand, operand)
+            if root != first and root in writers:
+                raise LoweringError(
+                    f"%{name} may return views of each of {['%' + o for o in operands]}, and %{writers[root]} "
+                    f"writes the storage of %{operand}: fxsched orders a view with one source's writes, not "
+                    "several; decompose it first (make_fx without pre_dispatch gives expand/view ops)")
+
+
 def _module_state_barriers(ops: list[Op], lowering: _Lowering) -> None:
     """Make a barrier of each call_module whose module's state a get_attr of the graph writes
     (`self.lin(x)` and `self.lin.weight.add_(1)`): no operand names what the call reads, so it
@@ -1159,6 +1206,8 @@ def _lower(gm: fx.GraphModule) -> Program:
         lowering.positions = None  # some operands are now other nodes: derive_effects finds them by name
     if lowering.module_calls:
         _module_state_barriers(ops, lowering)
+    if lowering.several:
+        _check_several_sources(ops, lowering.several)
     program.add_all(ops)
     order = list(map(_NAME, nodes))
     program.payload.update(zip(order, nodes))
