@@ -197,7 +197,14 @@ def derive_effects(program: Program, ops: list[Op] | None = None,
     edges (lowering: it numbers its nodes anyway, and need not look their names up again)."""
     numbers = list(range(len(ops))) if operands is not None else None
     order, ops, numbers = _place_markers(program, ops, numbers)
-    g = _Numbered(program, order, ops, numbers, operands)
+    try:
+        _derive(program, _Numbered(program, order, ops, numbers, operands), ops)
+    finally:  # the edges went into networkx's dicts directly (as `Program.add_effect` does)
+        _clear_cache(program.graph)
+
+
+def _derive(program: Program, g: _Numbered, ops: list[Op]) -> None:
+    """`derive_effects`'s rules, in order, on the schedule's numbers (`g.seq`) and their ops."""
     seq = g.seq
     _storage_edges(program, g, seq, ops)
     kinds = list(map(type, ops))  # the rules below pick out the ops they read in C, by class
@@ -224,7 +231,6 @@ def derive_effects(program: Program, ops: list[Op] | None = None,
     markers = {g.names[k]: k for k in compress(seq, _of(kinds, present, (Marker,)))}
     _barrier_and_phase_edges(g, seq, ops, markers.get(BACKWARD))
     _boundary_edges(g, seq, ops, kinds, present, markers[ENTRY] if ENTRY in markers else g.at[ENTRY])
-    _clear_cache(program.graph)
 
 
 class _Numbered:
@@ -247,11 +253,13 @@ class _Numbered:
     def __init__(self, program: Program, order: list[str], ops: list[Op], numbers: list[int] | None,
                  operands: list[tuple[int, ...]] | None):
         graph = program.graph
-        # networkx adds a node to its node, successor and predecessor dicts at once: the three
-        # hold the nodes in one order, so their values line up with the names
+        # networkx adds a node to its successor and predecessor dicts at once: both hold the
+        # nodes in one order, and their values line up with the names (checked: the names are
+        # the same objects, so the lists compare by identity)
         self.names = list(graph._succ)
         self._succd = list(graph._succ.values())
-        self._predd = list(graph._pred.values())
+        self._predd = (list(graph._pred.values()) if list(graph._pred) == self.names
+                       else list(map(graph._pred.__getitem__, self.names)))
         self._shared = isinstance(graph, IRGraph)
         self._at: dict[str, int] | None = None
         size = len(self.names)

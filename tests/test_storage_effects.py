@@ -514,3 +514,19 @@ def test_lowering_derives_by_position_the_edges_names_give(make):
     for adjacency in ("_succ", "_pred"):
         assert ([(n, list(nbrs.items())) for n, nbrs in getattr(again.graph, adjacency).items()]
                 == [(n, list(nbrs.items())) for n, nbrs in getattr(program.graph, adjacency).items()])
+
+
+def test_derive_effects_reads_each_node_s_own_adjacency_whatever_order_the_dicts_hold():
+    """The numbered walk lines networkx's predecessor dicts up with the nodes by the order the
+    graph holds them in; a graph whose predecessor dict holds another order (rebuilt by hand)
+    gets the same edges."""
+    gm = generate_graph(400, seed=1)
+    program, again = lower(gm), lower(gm)
+    for p in (program, again):
+        p.graph.remove_edges_from([(u, v) for u, v, e in p.graph.edges(data=True) if e["kind"] != "data"])
+        p.graph.remove_nodes_from([ENTRY, BACKWARD])
+        p.schedule = Schedule(n for n in p.schedule if n not in (ENTRY, BACKWARD))
+    again.graph._pred = dict(reversed(again.graph._pred.items()))
+    derive_effects(program)
+    derive_effects(again)
+    assert sorted(again.effect_edges()) == sorted(program.effect_edges())
