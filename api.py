@@ -27,6 +27,7 @@ from .cost.limits import lower_bound
 from .cost.model import CostAnalysis
 from .cost.simulate import simulate
 from .raising import raise_in_place, raise_program
+from .raising.lint import lint
 
 LOG = logging.getLogger("fxsched")
 
@@ -145,15 +146,16 @@ def schedule(gm: fx.GraphModule, pipeline: str = DEFAULT_PIPELINE, *, verify_eac
     with `memory-cap{...}` first (`fxsched.passes.memory_cap`).
     """
     pipeline = with_cap(pipeline, max_peak_gb, max_peak_increase_gb)
-    done = _schedule(gm, pipeline, raise_program, verify_each=verify_each, timing=timing,
+    return _schedule(gm, pipeline, _raise_tagged, verify_each=verify_each, timing=timing,
                      instruments=instruments, cost_model=cost_model, verify_lowered=verify_lowered)
-    # Tag what this run moved, as the drop-in does: lowering reads the tag back, so scheduling
-    # the result again counts these gathers in flight instead of overshooting the budget.
-    moved = {op.name: op.anchor for op in _moved_unheld(done.program, done.earlier) if op.anchor is not None}
-    for node in done.graph_module.graph.nodes:
-        if node.name in moved:
-            node.meta[tags.PREFETCH_ANCHOR] = moved[node.name]
-    return done
+
+
+def _raise_tagged(program: Program, earlier: frozenset[str]) -> fx.GraphModule:
+    """`raise_program`, tagging what this run moved as the drop-in does: lowering reads the tag
+    back, so scheduling the result again counts these gathers in flight instead of overshooting
+    the budget."""
+    return raise_program(program, meta={op.name: {tags.PREFETCH_ANCHOR: op.anchor}
+                                        for op in _moved_unheld(program, earlier) if op.anchor is not None})
 
 
 def _verify_lowered_default() -> bool:
@@ -164,7 +166,8 @@ def _verify_lowered_default() -> bool:
 def _schedule(gm: fx.GraphModule, pipeline: str, raising, *, verify_each: bool = True, timing: bool = False,
               instruments: list[Instrument] | None = None, cost_model: Any = None,
               verify_lowered: bool | None = None) -> ScheduleResult:
-    """`schedule`, raising with `raising` (a fresh module, or `gm` itself reordered in place).
+    """`schedule`, raising with `raising(program, earlier)` (a fresh module, or `gm` itself
+    reordered in place; `earlier` as in ScheduleResult).
 
     The program the passes get is what `lower` just returned from the linted graph, and that keeps
     every rule the verifier checks by construction (so its check before the first pass, a tenth of
@@ -183,11 +186,11 @@ def _schedule(gm: fx.GraphModule, pipeline: str, raising, *, verify_each: bool =
         manager.instruments.insert(0, timer)
     ctx = PassContext(cost_model=cost_model)
     with gc_paused():  # one pause for all stages: a full collection between them scans the whole graph
-        gm.graph.lint()
+        lint(gm.graph)  # Graph.lint, faster where the graph passes
         program = lower(gm)
         earlier = frozenset(op.name for op in _launches(program, ordered=False) if op.prefetched)
         result = manager.run(program, ctx)
-        raised = raising(program)
+        raised = raising(program, earlier)
     return ScheduleResult(raised, program, str(manager), result, timer, earlier, ctx)
 
 
@@ -207,7 +210,8 @@ def overlap_param_gather(graph_module: fx.GraphModule, config) -> fx.GraphModule
         return graph_module
     # the module's own nodes are relinked into the new order (nothing is copied; meta, names and
     # whatever callers hold of them stay valid), then its code is generated once
-    done = _schedule(graph_module, reference_pipeline(budget, forward, backward), raise_in_place)
+    done = _schedule(graph_module, reference_pipeline(budget, forward, backward),
+                     lambda program, earlier: raise_in_place(program))
     stats = done.result.stats()
     prefetch = next(v for k, v in stats.items() if k.startswith("prefetch"))
     sink = next(v for k, v in stats.items() if k.startswith("sink"))

@@ -10,7 +10,10 @@ place, so its own nodes (meta, names, users, everything callers hold) are put in
 
 from __future__ import annotations
 
-from operator import attrgetter, ne
+from collections.abc import Mapping
+from itertools import repeat
+from operator import attrgetter, is_not, ne
+from typing import Any
 
 from torch import fx
 from torch.fx.immutable_collections import immutable_dict
@@ -20,6 +23,10 @@ try:  # torch-internal; without it, fall back to an eager recompile
     from torch.fx._lazy_graph_module import _LazyGraphModule as _GraphModule
 except ImportError:  # pragma: no cover
     _GraphModule = fx.GraphModule
+try:  # map_arg without its Python frame (two calls per raised node)
+    from torch._C import _fx_map_arg
+except ImportError:  # pragma: no cover
+    _fx_map_arg = map_arg
 
 import torch
 
@@ -27,6 +34,7 @@ from ..ir import CopyOut, Launch, Marker, Phase, Program, View, tags
 from ..ir.errors import InputError
 from ..ir.gcpause import gc_paused
 from ..ir.rewriter import Call, Operand
+from . import lint as fxlint
 
 
 class RaisingError(InputError):
@@ -34,13 +42,17 @@ class RaisingError(InputError):
     text), or it was lowered from another module, or an op has no FX node to copy."""
 
 
-def raise_program(program: Program, *, lint: bool = True) -> fx.GraphModule:
+def raise_program(program: Program, *, lint: bool = True,
+                  meta: Mapping[str, Mapping[str, Any]] | None = None) -> fx.GraphModule:
     """Copy each lowered FX node into a new graph in schedule order; markers vanish, and so do
     ops a rewriting pass erased. An op whose operands a pass replaced (ir/rewriter.py) reads
     its new operands' nodes: lowering made the operands from the node's inputs, in order. An
-    op a pass created is built from its `Call` (see `_build`)."""
+    op a pass created is built from its `Call` (see `_build`).
+
+    `meta`: op name -> entries to add to its raised node's `meta` (the package face tags the
+    gathers a run moved so, without a walk of the raised graph to find their nodes)."""
     with gc_paused():
-        return _raise(program, lint)
+        return _raise(program, lint, meta or {})
 
 
 def raise_in_place(program: Program, *, lint: bool = True) -> fx.GraphModule:
@@ -50,35 +62,36 @@ def raise_in_place(program: Program, *, lint: bool = True) -> fx.GraphModule:
     code is NOT regenerated here: call `recompile()` once the caller is done with the graph
     (the drop-in tags meta first, and one code generation is most of what it costs).
     `lint`: check what relinking can break, that every node comes after its inputs (a
-    RaisingError names the first that does not). The rest of `graph.lint()` (ownership, names,
-    the lookup table, targets) reads what relinking leaves as it was: lint the graph before
-    lowering it, as `fxsched.schedule` and the drop-in do.
+    RaisingError names the first that does not, and the graph is left as it was). The rest of
+    `graph.lint()` (ownership, names, the lookup table, targets) reads what relinking leaves as
+    it was: lint the graph before lowering it, as `fxsched.schedule` and the drop-in do.
     """
     source = _origin(program)
     graph = source.graph
     order = _scheduled_nodes(program)
-    if len(order) != len(graph.nodes) or any(node.graph is not graph for node in order):
+    if len(order) != len(graph.nodes) or any(map(is_not, map(_graph, order), repeat(graph))):
         raise RaisingError("the program's FX nodes are not those of its module's graph "
                            "(was the graph changed after lowering?): cannot reorder it in place")
+    if lint:
+        _check_inputs_first(order)
     # appending each node at the end (before the graph's sentinel) in schedule order: C does the
     # unlinking and the order keys, and a node already in place costs one relink
     root = graph._root
     for node in order:
         root.prepend(node)
-    if lint:
-        _check_inputs_first(order)
     return source
 
 
 def _check_inputs_first(order: list[fx.Node]) -> None:
     """Raise RaisingError at the first node scheduled before one of its inputs."""
     seen: set[fx.Node] = set()
+    add, covers = seen.add, seen.issuperset
     for node in order:
-        if not seen.issuperset(node._input_nodes):
+        if not covers(node._input_nodes):
             late = next(n for n in node._input_nodes if n not in seen)
             raise RaisingError(f"%{node.name} would run before its input %{late.name}: the schedule is "
                                "not a topological order of the graph (was it verified?)")
-        seen.add(node)
+        add(node)
 
 
 def _origin(program: Program) -> fx.GraphModule:
@@ -108,7 +121,7 @@ def _scheduled_nodes(program: Program) -> list[fx.Node]:
     return order
 
 
-def _raise(program: Program, lint: bool) -> fx.GraphModule:
+def _raise(program: Program, lint: bool, meta: Mapping[str, Mapping[str, Any]]) -> fx.GraphModule:
     source = _origin(program)
     graph = fx.Graph(owning_module=source, tracer_cls=source.graph._tracer_cls)
     graph._codegen = source.graph._codegen
@@ -121,39 +134,58 @@ def _raise(program: Program, lint: bool) -> fx.GraphModule:
         return made[name] if name in made else env[payload[name]]
 
     for name in program.schedule:
-        node = payload.get(name)
-        if isinstance(node, Call):
-            made[name] = _build(graph, ops[name]["op"], node, value)
-            continue
+        node, op = payload.get(name), ops[name]["op"]
         if node is None:
-            if isinstance(ops[name]["op"], Marker):
+            if isinstance(op, Marker):
                 continue
-            raise RaisingError(f"%{name} ({ops[name]['op'].KIND}) has no FX node to raise from")
-        inputs, operands = node._input_nodes, ops[node.name]["op"].operands  # its inputs' own dict, not a list copy
+            raise RaisingError(f"%{name} ({op.KIND}) has no FX node to raise from")
+        if isinstance(node, Call):
+            made[name] = _build(graph, op, node, value)
+            continue
+        inputs, operands = node._input_nodes, op.operands  # its inputs' own dict, not a list copy
         mapper = remap
         if len(inputs) != len(operands) or any(map(ne, operands, map(_name, inputs))):
             # a rewriting pass changed what it reads: each FX input maps to its operand's node
             mapper = dict(zip(inputs, (value(o) for o in operands))).__getitem__
         # Graph.node_copy, less its `copy.meta = ...`: assigning an attribute of a node already in
         # the graph goes through Node.__setattr__, which takes it out of the graph's lookup table
-        # and puts it back (a tenth of raising); filling the new node's empty meta dict is the same copy
-        copy = env[node] = create(node.op, node.target, map_arg(node.args, mapper), map_arg(node.kwargs, mapper),
-                                  node.name, node.type)
+        # and puts it back (a tenth of raising); filling the new node's empty meta dict is the same
+        # copy. (`_args` and `_kwargs` are what the `args` and `kwargs` properties return, less a
+        # Python call each; most nodes have no kwargs to map.)
+        kwargs = node._kwargs
+        copy = env[node] = create(node.op, node.target, _fx_map_arg(node._args, mapper),
+                                  _fx_map_arg(kwargs, mapper) if kwargs else kwargs, node.name, node.type)
         copy.meta.update(node.meta)
-        if mapper is not remap and node.op == "call_function" and isinstance(ops[name]["op"], View):
+        if mapper is not remap and node.op == "call_function" and isinstance(op, View):
             # a view of a new input (a bucket's copy-out): lowering reads a reshape as a view only
             # where its val shares its input's storage, so it takes its val from that input
             _fake_val(copy)
         if node.op == "placeholder" and copy.name != node.name:
             raise RaisingError(f"input %{node.name} was renamed to {copy.name}")
+    for name, entries in meta.items():
+        value(name).meta.update(entries)
     gm = _GraphModule(source, graph, class_name=type(source).__name__)
     gm.meta.update(source.meta)
     if lint:
-        graph.lint()
+        _lint_raised(gm, create)
     return gm
 
 
-_name = attrgetter("name")
+def _lint_raised(gm: fx.GraphModule, create) -> None:
+    """`gm.graph.lint()`, less what `_copier`'s copy makes true (a tenth of raising at 100k
+    nodes): every node of the graph was made by Node() in this graph (an op it knows, a callable
+    or str target: Node.__init__ refuses the rest), entered in the lookup table, named by the
+    graph's namespace (names are unique), and its inputs are nodes raised before it (`env` and
+    `made` hold nothing else: an input not raised yet fails the lookup). What is left is the
+    targets of get_attr and call_module nodes, looked up in the new module; where one does not
+    resolve, lint runs in full and raises its own error. Copies made by `graph.create_node` (a
+    module with create-node hooks, which may change the graph) are linted in full."""
+    graph = gm.graph
+    if create == graph.create_node or not fxlint.targets_resolve(graph, gm):  # (the bound method: _copier's fallback)
+        fxlint.lint(graph)
+
+
+_name, _graph = attrgetter("name"), attrgetter("graph")
 
 
 def _copier(graph: fx.Graph):

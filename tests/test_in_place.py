@@ -71,5 +71,7 @@ def test_in_place_raising_refuses_an_order_that_runs_a_node_before_its_input():
     program = lower(gm)
     user = next(n for n in gm.graph.nodes if n.op == "call_function" and n.all_input_nodes)
     program.schedule.move_before([user.name], user.all_input_nodes[0].name)  # unverified: breaks a data edge
+    order = list(gm.graph.nodes)
     with pytest.raises(RaisingError, match=f"%{user.name} would run before its input %{user.all_input_nodes[0].name}"):
         raise_in_place(program)
+    assert list(gm.graph.nodes) == order  # checked before relinking: the caller's graph is left as it was

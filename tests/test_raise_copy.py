@@ -3,13 +3,15 @@
 Raising copies nodes without torch's create_node (whose walk of every argument for symbolic
 scalars was a third of raising at 100k nodes); these tests hold the copy to what create_node
 keeps: names and their namespace, the lookup table behind `find_nodes`, the node count, the
-module's create-node hooks.
+module's create-node hooks; and raising's check of the new graph to what `Graph.lint` refuses.
 """
 
 from __future__ import annotations
 
 import operator
 
+import pytest
+import torch
 from torch import fx
 
 from fxsched.front.generate import generate_graph
@@ -63,3 +65,40 @@ def test_copy_runs_the_modules_create_node_hooks():
     gm._register_create_node_hook(seen.append)
     raised = raise_program(lower(gm))
     assert [n.name for n in seen] == [n.name for n in raised.graph.nodes]
+
+
+class _WithBufferAndLinear(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("w", torch.ones(3))
+        self.lin = torch.nn.Linear(3, 3)
+
+    def forward(self, x):
+        return self.lin(x + self.w)
+
+
+def test_raising_still_refuses_what_lint_refuses_in_targets():
+    # raising checks only what its copy does not make true by construction (get_attr and
+    # call_module targets); what it leaves to lint must still fail as lint fails
+    gm = fx.symbolic_trace(_WithBufferAndLinear())
+    program = lower(gm)
+    raise_program(program).graph.lint()
+    gm.w = None  # the buffer's name still resolves, to None: lint calls that nonexistent
+    with pytest.raises(RuntimeError, match="nonexistent attribute w"):
+        raise_program(program)
+    gm = fx.symbolic_trace(_WithBufferAndLinear())
+    program = lower(gm)
+    del gm.lin
+    gm.lin = 3  # a call_module target that is no module
+    with pytest.raises(RuntimeError, match="does not reference an nn.Module"):
+        raise_program(program)
+
+
+def test_meta_tags_the_named_nodes():
+    gm = generate_graph(300, seed=4)
+    program = lower(gm)
+    names = [n.name for n in gm.graph.nodes if n.op == "call_function"][:3]
+    raised = raise_program(program, meta={name: {"tag": i} for i, name in enumerate(names)})
+    assert {n.name: n.meta["tag"] for n in raised.graph.nodes if "tag" in n.meta} == \
+        {name: i for i, name in enumerate(names)}
+    assert not any("tag" in n.meta for n in gm.graph.nodes)  # the source's meta is not touched
