@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import inspect
 import operator
-from operator import attrgetter
+from itertools import compress
+from operator import attrgetter, is_not
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -38,6 +39,7 @@ COLLECTIVE_NAMESPACES = ("_c10d_functional", "c10d_functional")
 
 
 _NAME = attrgetter("name")
+_OPERANDS = attrgetter("operands")
 
 
 class LoweringError(InputError):
@@ -550,11 +552,13 @@ class _Lowering:
         self.results: dict[str, tuple | list] = {}  # an op returning its arguments (or a getitem of its result) -> what it returns
         self.same: dict[str, str] = {}  # a getitem of such a result -> the argument it is
         self.rebinds: list[str] = []  # the `set_` calls (each rebinds its first operand to another storage)
-        # the nodes lowered so far -> their positions, and each op's operands as positions (what
-        # derive_effects walks: found here, by node, where the node's inputs are at hand); None
-        # once an input is no node lowered before it (add_all then says which)
+        # the nodes lowered so far -> their positions; per op, the operands it was made with and
+        # their positions (what derive_effects walks: found here, by node, where the node's inputs
+        # are at hand; see `positions`), None once an input is no node lowered before it (add_all
+        # then says which)
         self.position: dict[fx.Node, int] = {}
-        self.positions: list[tuple[int, ...]] | None = []
+        self.given: list[tuple[str, ...]] = []
+        self.numbers: list[tuple[int, ...]] | None = []
         self.aliasable: dict[str, int] = {}  # inputs and get_attrs (what an alias of one reads) -> positions
 
     def target(self, node: fx.Node) -> _Target:
@@ -845,11 +849,12 @@ class _Lowering:
         # the inputs read off the node's own dict of them (`all_input_nodes` copies it to a list)
         name, operands = node.name, tuple(map(_NAME, node._input_nodes))
         position = self.position
-        if self.positions is not None:
+        if self.numbers is not None:
             try:
-                self.positions.append(tuple(map(position.__getitem__, node._input_nodes)))
+                self.numbers.append(tuple(map(position.__getitem__, node._input_nodes)))
             except KeyError:
-                self.positions = None
+                self.numbers = None
+        self.given.append(operands)
         position[node] = len(position)
         types = value_types(node, self.types)
         # the output ends the program and inputs read nothing: derive_effects's order rules
@@ -863,10 +868,10 @@ class _Lowering:
             self.aliasable[name] = position[node]
             first = _earlier(self.input_storages, self.storage(node), name)
             if first is not None:
-                self.realias(first)
                 # inputs traced as views of one storage (make_fx(f)(x[:3], x[1:])): the later is an
                 # alias of the first, so that writes through one are ordered against reads of the other
-                return Input.make(name, (first,), Phase.FORWARD, types, target=str(node.target), alias=first)
+                return Input.make(name, self.realias(first), Phase.FORWARD, types, target=str(node.target),
+                                  alias=first)
             return Input.make(name, operands, Phase.FORWARD, types, target=str(node.target))
         if kind == "output":
             self.output = node.name
@@ -879,10 +884,9 @@ class _Lowering:
             self.aliasable[name] = position[node]
             first = self.attribute(node)
             if first is not None:
-                self.realias(first)
                 # the same tensor (or storage) read again: an alias of the first read, so that the
                 # writes through one are ordered against the reads through the other
-                return Constant.make(name, (first,), phase, types, target=str(node.target), alias=first)
+                return Constant.make(name, self.realias(first), phase, types, target=str(node.target), alias=first)
             return Constant.make(name, operands, phase, types, target=str(node.target))
         info = self.target(node)
         target = info.name
@@ -960,10 +964,27 @@ class _Lowering:
         return Compute.make(name, operands, phase, types, target=target, heavy=info.heavy, attention=info.attention,
                             random=random, writes=writes, alias=alias)
 
-    def realias(self, first: str) -> None:
-        """The op being lowered reads `first` (an earlier input or get_attr), not its node's inputs."""
-        if self.positions is not None:
-            self.positions[-1] = (self.aliasable[first],)
+    def realias(self, first: str) -> tuple[str]:
+        """The operands of the op being lowered, which reads `first` (an earlier input or
+        get_attr), not its node's inputs."""
+        operands = self.given[-1] = (first,)
+        if self.numbers is not None:
+            self.numbers[-1] = (self.aliasable[first],)
+        return operands
+
+    def positions(self, ops: list[Op]) -> list[tuple[int, ...]] | None:
+        """Each op's operands as positions in `ops` (one op per node, in order): those recorded
+        where the op still has the operands it was made with (the same tuple), else (an op made
+        otherwise, or rewritten since: `_rebind`) found by name."""
+        numbers = self.numbers
+        if numbers is None:
+            return None
+        by_name = None
+        for at in compress(range(len(ops)), map(is_not, map(_OPERANDS, ops), self.given)):
+            if by_name is None:
+                by_name = dict(zip(map(_NAME, ops), range(len(ops)))).__getitem__
+            numbers[at] = tuple(map(by_name, ops[at].operands))
+        return numbers
 
     def view(self, node: fx.Node, info: _Target, base: tuple) -> Op:
         """A schema alias: a view; one that may copy (reshape, contiguous, to) is a view when its
@@ -1203,7 +1224,6 @@ def _lower(gm: fx.GraphModule) -> Program:
     ops = [lowering.lower(node) for node in nodes]
     if lowering.rebinds or lowering.same:
         ops = _rebind(ops, set(lowering.rebinds), lowering.same)
-        lowering.positions = None  # some operands are now other nodes: derive_effects finds them by name
     if lowering.module_calls:
         _module_state_barriers(ops, lowering)
     if lowering.several:
@@ -1219,7 +1239,7 @@ def _lower(gm: fx.GraphModule) -> Program:
     try:
         # the ops in the schedule's (and the graph's) order, and their operands by position: no
         # lookup per name to find them again
-        derive_effects(program, ops, lowering.positions)
+        derive_effects(program, ops, lowering.positions(ops))
     except EffectError as exc:
         raise LoweringError(str(exc)) from exc
     return program
