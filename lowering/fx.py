@@ -67,6 +67,14 @@ def _target_name(target) -> str:
 UNDECLARED_WRITES = {name: ("running_mean", "running_var") for name in (
     "aten::native_batch_norm", "aten::batch_norm", "aten::_batch_norm_impl_index", "aten::cudnn_batch_norm",
     "aten::miopen_batch_norm", "aten::instance_norm")}
+#: the functional point-to-point receive receives into the tensor it is given and returns it
+#: (`irecv_inplace`; its schema, `irecv(Tensor tensor, ...) -> Tensor`, says neither): checked on 2
+#: gloo ranks
+UNDECLARED_WRITES["_c10d_functional::irecv"] = ("tensor",)
+UNDECLARED_RESULT = {"_c10d_functional::irecv": "tensor"}
+#: a batch of sends and receives (`batch_p2p_ops`) returns the receiving tensors themselves, each
+#: waited through a getitem: the batch and its waits are barriers
+P2P_BATCH = "_c10d_functional::batch_p2p_ops"
 
 
 def _written_arguments(schema) -> tuple[tuple[int, str], ...]:
@@ -370,6 +378,8 @@ def _classify(op: str, target) -> _Target:
     if written and schema.returns and (ret := schema.returns[0].alias_info) is not None and ret.is_write:
         result_alias = next((i for i, _ in written if schema.arguments[i].alias_info is not None
                              and schema.arguments[i].alias_info.before_set == ret.before_set), None)
+    elif schema is not None and schema.name in UNDECLARED_RESULT:
+        result_alias = next(i for i, a in enumerate(schema.arguments) if a.name == UNDECLARED_RESULT[schema.name])
     short = name.rsplit(".", 1)[-1]
     module = (getattr(target, "__module__", None) or "") if call else ""
     may_copy = view and schema is not None and _composite(schema)
@@ -546,6 +556,7 @@ class _Lowering:
         self.attribute_storage: dict[str, int] = {}  # a get_attr of a tensor -> its storage
         self.states: dict[int, frozenset[int]] = {}  # id of a called module -> `module_state`
         self.module_calls: list[tuple[str, frozenset[int]]] = []  # call_module reading state: (name, storages)
+        self.p2p_batches: set[str] = set()  # batch_p2p_ops calls (barriers, as their waits)
         self.several: list[tuple[str, tuple[str, ...]]] = []  # (op, operands) of views of several tensors
         self.returns: dict[int, list[int] | None] = {}  # id of a subgraph -> `returned_inputs`
         self.fake_mode = None  # the FakeTensorMode of the first val with storage (see `storage`)
@@ -1009,8 +1020,15 @@ class _Lowering:
         target = info.name
         writes, alias, _ = self.writes(node, info)
         group = _group(node, info)
+        if info.schema.name == P2P_BATCH:
+            self.p2p_batches.add(name)
+            return Barrier.make(name, operands, phase, types, target=target, reason="point-to-point batch")
         if info.wait:
             source = next(iter(node._input_nodes)) if len(node._input_nodes) == 1 else None
+            if (self.p2p_batches and source is not None and source.target is operator.getitem
+                    and isinstance(source.args[0], fx.Node) and source.args[0].name in self.p2p_batches):
+                # its result is a tensor the batch received into (whose users may name it), now complete
+                return Barrier.make(name, operands, phase, types, target=target, reason="point-to-point batch")
             if (source is not None and source.target is operator.getitem and isinstance(source.args[0], fx.Node)
                     and source.args[0].name in self.coalesced):
                 # one result of a coalesced launch

@@ -486,3 +486,70 @@ def test_a_view_of_several_sources_whose_second_is_written_is_refused():
     with pytest.raises(LoweringError, match=r"%broadcast_tensors may return views of each of \['%a_1', '%b_1'\], "
                                             r"and %add_ writes the storage of %b_1"):
         lower(gm)
+
+
+# --------------------------------------------------------------------------- point-to-point
+
+
+def _p2p_graph(rank: int) -> fx.GraphModule:
+    """Rank 0 sends x to rank 1, which receives it into buf and reads buf by name before and after."""
+    c10d = torch.ops._c10d_functional
+
+    def build(g):
+        x, buf = g.placeholder("x"), g.placeholder("buf")
+        before = g.call_function(operator.mul, (buf, 1))
+        if rank == 0:
+            done = g.call_function(c10d.wait_tensor.default, (g.call_function(c10d.isend.default, (x, 1, 0, "0")),))
+        else:
+            done = g.call_function(c10d.wait_tensor.default, (g.call_function(c10d.irecv.default, (buf, 0, 0, "0")),))
+        after = g.call_function(operator.mul, (buf, 2))
+        g.output((before, after, g.call_function(operator.add, (done, 3)), g.call_function(operator.neg, (x,))))
+
+    return _graph(build)
+
+
+def _p2p_orders(rank, world_size, count):
+    """On one rank: its graph and `count` random legal orders of it, run; their outputs."""
+    import torch.distributed._functional_collectives  # noqa: F401  (registers the p2p ops' fake kernels)
+
+    from fxsched.ir.program import Schedule
+    from fxsched.raising import raise_program
+
+    gm = _p2p_graph(rank)
+    program = lower(gm)
+    jobs = [gm]
+    for order in _random_orders(program, count, 0):
+        program.schedule = Schedule(order)
+        jobs.append(raise_program(program))
+    return [[t.clone() for t in job(torch.arange(4.0) + 10, torch.zeros(4))] for job in jobs]
+
+
+@pytest.mark.multirank
+def test_a_receive_writes_the_tensor_it_is_given_on_two_ranks():
+    """`irecv(buf, ...)` receives into buf and returns it (its schema says neither): a read of buf by
+    name was free to move before the receive's wait (and one before it, after it), and read zeros."""
+    from fxsched.runtime import run_ranks
+
+    received = lower(_p2p_graph(1)).op("irecv_default")
+    assert received.writes == ("buf",) and received.alias == "buf"
+    count = 12
+    expected, *orders = run_ranks(_p2p_orders, 2, args=(count,), timeout=300, group_name="0")[1]
+    assert torch.equal(expected[1], (torch.arange(4.0) + 10) * 2)  # rank 1 received rank 0's x
+    for got in orders:
+        assert all(torch.equal(a, b) for a, b in zip(expected, got))
+
+
+def test_a_batch_of_point_to_point_ops_and_its_waits_are_barriers():
+    """`batch_p2p_ops` returns the tensors it receives into, each waited through a getitem; nothing
+    says which reads of them must follow which wait: the batch and its waits are barriers."""
+    c10d = torch.ops._c10d_functional
+
+    def build(g):
+        x, buf = g.placeholder("x"), g.placeholder("buf")
+        batch = g.call_function(c10d.batch_p2p_ops.default, (["isend", "irecv"], [1, 1], [0, 0], [x, buf], "0"))
+        for i in range(2):
+            g.call_function(c10d.wait_tensor.default, (g.call_function(operator.getitem, (batch, i)),))
+        g.output((g.call_function(operator.mul, (buf, 2)),))
+
+    program = lower(_graph(build))
+    assert [op.reason for op in program.ops() if isinstance(op, Barrier)] == ["point-to-point batch"] * 3
