@@ -26,6 +26,7 @@ from ..ir import (DTYPE_BYTES, Barrier, EffectError, Cast, Compute, Constant, Co
 from ..ir.errors import InputError
 from ..ir.gcpause import gc_paused
 from ..ir.ops import WAIT_ON_NO_LAUNCH
+from ..ir.text import EXPLICIT
 from ..ir import tags
 from ..ir.holds import BUCKET_WITHOUT_MEMBERS, NO_PARAMETER_NAME
 from ..ir.opclass import is_attention, is_heavy
@@ -1148,7 +1149,7 @@ def _group_size(node: fx.Node, info: _Target) -> int | None:
     return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
 
 
-def _rebind(ops: list[Op], rebinds: set[str], same: dict[str, str]) -> list[Op]:
+def _rebind(ops: list[Op], rebinds: set[str], same: dict[str, str]) -> tuple[list[Op], list[tuple[str, str]]]:
     """`ops` with each use of a tensor after a `set_` of it reading the `set_` instead, and each
     use of a value in `same` reading the value it is.
 
@@ -1158,10 +1159,13 @@ def _rebind(ops: list[Op], rebinds: set[str], same: dict[str, str]) -> list[Op]:
     (whose result aliases y) in the IR: raised, it reads the set_'s result, which is x.
     `same`: a getitem of a result -> the tensor the op was given and returns (an out= overload's,
     a c10d op's): raised, a use reads that tensor, the same object.
+    Also returns (the FX input, the op) of each operand replaced: the op's FX node still reads
+    that input, so a schedule relinked in place (`raise_in_place`) must keep it first (an
+    explicit edge, added once the effects are derived).
     """
     identity: dict[str, str] = {}  # a value -> the tensor object it is (an in-place op's result is its operand)
     now: dict[str, str] = {}  # a tensor object -> the set_ that last rebound it
-    result = []
+    result, replaced = [], []
     for op in ops:
         if now or same:
             def read(name: str) -> str:
@@ -1169,6 +1173,7 @@ def _rebind(ops: list[Op], rebinds: set[str], same: dict[str, str]) -> list[Op]:
                 return now.get(identity.get(name, name), name)
             operands = tuple(map(read, op.operands))
             if operands != op.operands:
+                replaced += [(before, op.name) for before, after in zip(op.operands, operands) if before != after]
                 op = attrs.evolve(op, operands=operands, writes=tuple(dict.fromkeys(map(read, op.writes))),
                                   alias=None if op.alias is None else read(op.alias))
         if op.alias is not None and op.alias in op.writes:  # an in-place op returns the tensor it writes
@@ -1178,7 +1183,7 @@ def _rebind(ops: list[Op], rebinds: set[str], same: dict[str, str]) -> list[Op]:
             identity[op.name] = target
             now[target] = op.name
         result.append(op)
-    return result
+    return result, replaced
 
 
 def _check_several_sources(ops: list[Op], several: list[tuple[str, tuple[str, ...]]]) -> None:
@@ -1240,8 +1245,9 @@ def _lower(gm: fx.GraphModule) -> Program:
     program = Program(origin=gm)
     nodes = list(gm.graph.nodes)
     ops = [lowering.lower(node) for node in nodes]
+    replaced: list[tuple[str, str]] = []
     if lowering.rebinds or lowering.same:
-        ops = _rebind(ops, set(lowering.rebinds), lowering.same)
+        ops, replaced = _rebind(ops, set(lowering.rebinds), lowering.same)
     if lowering.module_calls:
         _module_state_barriers(ops, lowering)
     if lowering.several:
@@ -1260,4 +1266,6 @@ def _lower(gm: fx.GraphModule) -> Program:
         derive_effects(program, ops, lowering.positions(ops))
     except EffectError as exc:
         raise LoweringError(str(exc)) from exc
+    for before, after in replaced:  # the FX node still reads what its op no longer names (`_rebind`)
+        program.add_effect(before, after, EXPLICIT)
     return program
