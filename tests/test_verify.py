@@ -250,6 +250,17 @@ def test_data_edges_must_match_operands():
     assert message == "%relu: data edges ['mm', 'x'] differ from operands ['mm']"
 
 
+def test_data_edges_are_read_by_name_when_the_tables_are_in_another_order():
+    # the structure check reads the predecessor table beside the node table when networkx
+    # filled both in the same order; in any other order it looks each node up by name
+    program = valid()
+    program.graph._pred = dict(reversed(program.graph._pred.items()))
+    verify(program)
+    program.graph._pred["relu"]["x"] = program.graph._succ["x"]["relu"] = {"kind": DATA}
+    (message,) = problems(program)
+    assert message == "%relu: data edges ['mm', 'x'] differ from operands ['mm']"
+
+
 def test_many_problems_are_listed_with_a_count():
     program = valid()
     program.schedule = Schedule(reversed(program.schedule.names()))
