@@ -86,7 +86,8 @@ def _written_arguments(schema) -> tuple[tuple[int, str], ...]:
                  if (a.alias_info is not None and a.alias_info.is_write) or a.name in undeclared)
 
 
-# Python functions that write their first argument in place (operator.iadd is `x += y`)
+# Python functions that write their first argument in place (operator.iadd is `x += y`), and as
+# dunder methods (`x.__iadd__(y)`, `x.__setitem__(i, v)`)
 _PY_INPLACE = frozenset({"iadd", "isub", "imul", "imatmul", "itruediv", "ifloordiv", "imod", "ipow", "iand", "ior",
                          "ixor", "ilshift", "irshift", "setitem", "delitem"})
 # tensor attributes that are views of the tensor (`x.T`: symbolic_trace records `getattr(x, "T")`)
@@ -253,7 +254,9 @@ def _graph_draws(gm: fx.GraphModule, target: Callable[[fx.Node], _Target]) -> bo
 
 
 # Python calls that set or read the generator's state (`torch.manual_seed(0)` between two draws)
-_RNG_STATE = frozenset({"manual_seed", "seed", "set_rng_state", "get_rng_state"})
+# (and a Generator's: `g.set_state(s)` between two draws from g)
+_RNG_STATE = frozenset({"manual_seed", "seed", "set_rng_state", "get_rng_state", "set_state", "get_state",
+                        "graphsafe_set_state", "graphsafe_get_state", "clone_state"})
 
 
 #: Higher-order ops that read their tensors and write none (each op they are given is run
@@ -365,6 +368,9 @@ def collective_overload(target):
 def _classify(op: str, target) -> _Target:
     name = _target_name(target)
     call = op == "call_function"
+    if call and not hasattr(target, "_schema") and getattr(torch.Tensor, getattr(target, "__name__", ""), None) is target:
+        # `torch.Tensor.view` called as a function (no module says whose it is): the method it is
+        return _classify("call_method", target.__name__)._replace(name=name)
     if call:
         target = collective_overload(target) or target
     schema = getattr(target, "_schema", None) if call else None
@@ -395,7 +401,8 @@ def _classify(op: str, target) -> _Target:
     if base in MAY_RETURN_INPUT and (schema is not None or op == "call_method" or module.split(".")[0] == "torch"):
         view, may_copy = True, True
     py_inplace = (
-        (op == "call_method" and isinstance(target, str) and target.endswith("_") and not target.startswith("_"))
+        (op == "call_method" and isinstance(target, str)
+         and ((target.endswith("_") and not target.startswith("_")) or target.strip("_") in _PY_INPLACE))
         or (call and schema is None and not isinstance(target, torch._ops.OpOverloadPacket)
             and ((short.endswith("_") and not short.startswith("_"))
                  or (module in ("_operator", "operator") and short in _PY_INPLACE))))
@@ -604,14 +611,18 @@ class _Lowering:
         return tuple(n.name for n in node.all_input_nodes), None, True
 
     def hop_alias(self, node: fx.Node, subgraphs: list[fx.GraphModule]) -> str | None:
-        """The operand a higher-order op's result may share storage with: a subgraph that returns
-        one of its inputs (or a view of it, or what an in-place op on it returned) hands that
-        operand back, so reads of the result must keep their order with writes of it. Which
-        operand an input is, is known for `invoke_subgraph(subgraph, identifier, *operands)`; for
-        another op, any tensor operand. A result that may be one of several operands cannot be
-        said in the IR (an op aliases one operand): a LoweringError rather than a guess."""
+        """The operand a higher-order op's result may share storage with (or a call_module's of a
+        GraphModule, `split_module`'s stages): a subgraph that returns one of its inputs (or a view
+        of it, or what an in-place op on it returned) hands that operand back, so reads of the
+        result must keep their order with writes of it. Which operand an input is, is known for
+        `invoke_subgraph(subgraph, identifier, *operands)` and a module call; for another op, any
+        tensor operand. A result that may be one of several operands cannot be said in the IR (an
+        op aliases one operand): a LoweringError rather than a guess."""
         tensors = [n for n in node.all_input_nodes if n.op != "get_attr"]
-        operands = node.args[2:] if node.target.name() == "invoke_subgraph" else None
+        if node.op == "call_module":
+            operands = node.args if not node.kwargs else None
+        else:
+            operands = node.args[2:] if node.target.name() == "invoke_subgraph" else None
         found: list[fx.Node] = []
         for sub in subgraphs:
             returned = self.returned_inputs(sub)
@@ -838,7 +849,7 @@ class _Lowering:
             self.rebinds.append(node.name)
             return (first.name,), args[1].name, False
         if inplace and first is not None:
-            returns_it = info.name.rsplit(".", 1)[-1] not in ("setitem", "delitem")
+            returns_it = info.name.rsplit(".", 1)[-1].strip("_") not in ("setitem", "delitem")
             return (first.name,), (first.name if returns_it else None), False
         if info.python_written:  # named like aten ops that write lists (`torch._foreach_add_([a, b], c)`): what they write
             names = [n.name for schema in info.python_written for at, name in _written_arguments(schema)
@@ -971,6 +982,8 @@ class _Lowering:
                 and isinstance(node.args[0], fx.Node)
                 and isinstance(self.gm.get_submodule(node.target), _MODULES_RETURNING_INPUT)):
             alias = node.args[0].name  # no val says whether it is its input or a view of it: take it to be
+        if alias is None and kind == "call_module" and isinstance(self.gm.get_submodule(node.target), fx.GraphModule):
+            alias = self.hop_alias(node, [self.gm.get_submodule(node.target)])
         if info.cast and not writes:
             return Cast.make(name, operands, phase, types, target=target, alias=alias)
         return Compute.make(name, operands, phase, types, target=target, heavy=info.heavy, attention=info.attention,

@@ -576,3 +576,69 @@ def test_a_batch_of_point_to_point_ops_and_its_waits_are_barriers():
 
     program = lower(_graph(build))
     assert [op.reason for op in program.ops() if isinstance(op, Barrier)] == ["point-to-point batch"] * 3
+
+
+@pytest.mark.parametrize("method, args", [("__setitem__", (0, 5.0)), ("__iadd__", (1.0,)), ("__imul__", (2.0,))])
+def test_in_place_dunder_methods_write_their_tensor(method, args):
+    """`x.__iadd__(1)`, `x.__setitem__(0, 5)` as call_method (a hand-built graph): a leading underscore
+    kept them from the in-place names, so they wrote nothing."""
+    def build(g):
+        x, y = g.placeholder("x"), g.placeholder("y")
+        before = g.call_function(operator.mul, (x, 1))
+        g.call_method(method, (x, *args))
+        g.output((before, g.call_function(operator.mul, (x, 2)), g.call_function(operator.neg, (y,))))
+
+    gm = _graph(build)
+    assert lower(gm).op(method.strip("_")).writes == ("x",)
+    assert_every_legal_order_computes_the_same(gm, [torch.randn(4), torch.randn(4)])
+
+
+@pytest.mark.parametrize("method", [torch.Tensor.view, torch.Tensor.reshape, torch.Tensor.flatten])
+def test_a_tensor_method_called_as_a_function_is_that_method(method):
+    """`torch.Tensor.view(x, 4)` as call_function: its target has no module, so it was a call
+    fxsched cannot see into, whose result was fresh storage: a read of it crossed `x.add_`."""
+    def build(g):
+        x, y = g.placeholder("x"), g.placeholder("y")
+        v = g.call_function(method, (x, 4) if method is not torch.Tensor.flatten else (x,))
+        g.call_method("add_", (x, 1))
+        g.output((g.call_function(operator.mul, (v, 2)), g.call_function(operator.mul, (x, 2)),
+                  g.call_function(operator.neg, (y,))))
+
+    gm = _graph(build)
+    assert isinstance(lower(gm).op(method.__name__), View)
+    assert_every_legal_order_computes_the_same(gm, [torch.randn(2, 2), torch.randn(4)])
+
+
+def test_a_generators_state_set_between_two_draws_keeps_its_place():
+    """`gen.set_state(s)` between two `torch.rand(..., generator=gen)`: a method of no aten name, so
+    it was pure and the draws could cross it."""
+    root = nn.Module()
+    root.gen = torch.Generator().manual_seed(3)
+    root.register_buffer("state", root.gen.get_state())
+
+    def build(g):
+        x, gen = g.placeholder("x"), g.get_attr("gen")
+        first = g.call_function(torch.rand, ([3],), {"generator": gen})
+        g.call_method("set_state", (gen, g.get_attr("state")))
+        g.output((first, g.call_function(torch.rand, ([3],), {"generator": gen}), g.call_function(operator.neg, (x,))))
+
+    gm = _graph(build, root)
+    assert lower(gm).op("set_state").random
+    assert_every_legal_order_computes_the_same(gm, [torch.randn(3)])
+
+
+def test_a_called_graph_module_that_returns_a_view_of_its_input_aliases_it():
+    """A call_module of a GraphModule (split_module's stages) returning a view of its input: the
+    call was one fxsched cannot see into, with a fresh result, so `x.add_` crossed a read of it."""
+    root = nn.Module()
+    root.stage = make_fx(lambda x: x.view(4))(torch.randn(2, 2))
+
+    def build(g):
+        x, y = g.placeholder("x"), g.placeholder("y")
+        v = g.call_module("stage", (x,))
+        g.call_method("add_", (x, 1))
+        g.output((g.call_function(operator.mul, (v, 2)), g.call_function(operator.neg, (y,))))
+
+    gm = _graph(build, root)
+    assert lower(gm).op("stage").alias == "x"
+    assert_every_legal_order_computes_the_same(gm, [torch.randn(2, 2), torch.randn(3)])
