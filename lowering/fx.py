@@ -270,6 +270,15 @@ FUNCTIONAL_HOPS = frozenset({"auto_functionalized", "auto_functionalized_v2", "t
 TRITON_MUTATION = "triton_kernel_wrapper_mutation"
 
 
+def _graph_state(gm: fx.GraphModule) -> bool:
+    """Whether `gm`, or a subgraph of it, reads a tensor attribute of its own (a get_attr)."""
+    for node in gm.graph.find_nodes(op="get_attr"):
+        value = attrgetter(node.target)(gm)
+        if isinstance(value, torch.Tensor) or (isinstance(value, fx.GraphModule) and _graph_state(value)):
+            return True
+    return False
+
+
 def _graph_writes(gm: fx.GraphModule, target: Callable[[fx.Node], _Target]) -> bool:
     """Whether any call in `gm`, or in a subgraph of one, writes a tensor in place."""
     for node in gm.graph.nodes:
@@ -962,6 +971,12 @@ class _Lowering:
                   or (isinstance(node.target, torch._ops.HigherOrderOperator) and self.draws_inside(node)))
         if (unknown or not writes) and not random and self.impure(node):
             return Barrier.make(name, operands, phase, types, target=target, reason="side effect",
+                                heavy=info.heavy, attention=info.attention)
+        if (unknown and isinstance(node.target, torch._ops.HigherOrderOperator)
+                and any(map(_graph_state, _subgraphs(self.gm, node)))):
+            # its subgraph writes, and reads tensors of its own (make_fx's constant for a closed-over
+            # buffer) that the graph may read too, no operand naming them: ordered against everything
+            return Barrier.make(name, operands, phase, types, target=target, reason="module state",
                                 heavy=info.heavy, attention=info.attention)
         if kind == "call_module":
             module = self.gm.get_submodule(node.target)

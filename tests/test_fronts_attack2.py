@@ -117,6 +117,28 @@ def test_a_higher_order_op_that_may_return_one_of_several_operands_is_refused():
         lower(_graph(build, root))
 
 
+def test_a_higher_order_op_whose_subgraph_writes_a_tensor_of_its_own_is_a_barrier():
+    """make_fx of a body closing over a buffer keeps it as the subgraph's own constant: the
+    `invoke_subgraph` wrote it, and a read of the buffer through the outer graph's get_attr crossed
+    the call (no operand names the buffer)."""
+    from torch._higher_order_ops.invoke_subgraph import invoke_subgraph
+
+    buf = torch.zeros(4)
+    root = nn.Module()
+    root.sub, root.buf = make_fx(lambda x: (buf.add_(x).mul(1),))(torch.ones(4)), buf
+
+    def build(g):
+        x = g.placeholder("x")
+        before = g.call_function(operator.mul, (g.get_attr("buf"), 1))
+        call = g.call_function(invoke_subgraph, (g.get_attr("sub"), "sub0", x))
+        g.output((before, g.call_function(operator.mul, (g.get_attr("buf"), 2)), g.call_function(operator.getitem, (call, 0)),
+                  g.call_function(operator.neg, (x,))))
+
+    gm = _graph(build, root)
+    assert lower(gm).op("invoke_subgraph").reason == "module state"
+    assert_every_legal_order_computes_the_same(gm, [torch.ones(4)])
+
+
 # --------------------------------------------------------------------------- module state
 
 
