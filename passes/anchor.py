@@ -16,6 +16,7 @@ import attrs
 from ..ir import Phase, Program
 from ..ir.holds import DEPTH_0, FIRST_GROUP, NO_CONSUMER
 from .base import ModulePass, PassContext, PassResult, check_depth, option, register_pass
+from .feeders import Feeders
 from .gathers import Gather, GatherAnalysis, held_by_lowering
 from .memory_cap import MemoryAnalysis
 
@@ -24,7 +25,7 @@ from .memory_cap import MemoryAnalysis
 @dataclasses.dataclass(frozen=True)
 class Anchor(ModulePass):
     name = "anchor"
-    preserves = (GatherAnalysis, MemoryAnalysis)  # it sets anchors, moves nothing
+    preserves = (GatherAnalysis, Feeders, MemoryAnalysis)  # it sets anchors, moves nothing
     reorders_only = True
 
     forward_depth: int = option(1, "launch each forward gather group this many consumer groups early (0: no prefetch)")

@@ -24,6 +24,7 @@ from ..cost.model import CostAnalysis
 from ..ir import Program, Schedule
 from ..ir.holds import OVER_BUDGET, OVER_PEAK_CAP, UNKNOWN_SIZE
 from .base import ModulePass, PassContext, PassResult, check_budget, option, register_pass
+from .feeders import Feeders
 from .gathers import Gather, GatherAnalysis
 from .memory_cap import MemoryAnalysis, headroom
 from .maxtree import MaxTree  # order-gathers and overlap-reduce-scatter import it from here too
@@ -132,7 +133,7 @@ class LaterForBudget:
 @dataclasses.dataclass(frozen=True)
 class Budget(ModulePass):
     name = "budget"
-    preserves = (GatherAnalysis, MemoryAnalysis, CostAnalysis)  # it plans on a copy: the schedule stays
+    preserves = (GatherAnalysis, Feeders, MemoryAnalysis, CostAnalysis)  # it plans on a copy: the schedule stays
     reorders_only = True
     after = ("anchor", "hide")
 

@@ -20,9 +20,10 @@ import attrs
 
 from ..cost.model import CostAnalysis
 from ..cost.simulate import stream_of
-from ..ir import Launch, Program, Role, View
+from ..ir import Launch, Program, Role
 from ..ir.holds import HIDDEN, NOT_HIDDEN  # NOT_HIDDEN: still anchored, as early as legal exposes the least
 from .base import ModulePass, PassContext, PassResult, register_pass
+from .feeders import Feeders
 from .gathers import Gather, GatherAnalysis, held_by_lowering
 from .memory_cap import MemoryAnalysis
 
@@ -32,7 +33,7 @@ from .memory_cap import MemoryAnalysis
 @dataclasses.dataclass(frozen=True)
 class Hide(ModulePass):
     name = "hide"
-    preserves = (GatherAnalysis, CostAnalysis, MemoryAnalysis)  # it sets anchors, moves nothing
+    preserves = (GatherAnalysis, Feeders, CostAnalysis, MemoryAnalysis)  # it sets anchors, moves nothing
     reorders_only = True
 
     def apply(self, ctx: PassContext, program: Program) -> PassResult:
@@ -71,7 +72,7 @@ class Hide(ModulePass):
                 # timed from the slot just after what it reads or follows: where
                 # overlap-reduce-scatter hoists it, so a second run over this pipeline's
                 # own output sees the stream busy at the same times
-                at = _earliest(program, program.private_feeders(name, (View,)))
+                at = _earliest(program, ctx.get(Feeders, program).of(name))
             begin = start_at[at]
             fixed.setdefault(stream_of(op), []).append((begin, begin + get(name, 0.0)))
 

@@ -25,6 +25,7 @@ from ..cost.model import CostAnalysis
 from ..ir import Program
 from .base import ModulePass, PassContext, PassResult, check_budget, option, register_pass
 from .budget import MaxTree
+from .feeders import Feeders
 from .gathers import Gather, GatherAnalysis, held_by_lowering
 from .memory_cap import OVER_PEAK_CAP, headroom
 
@@ -33,7 +34,7 @@ from .memory_cap import OVER_PEAK_CAP, headroom
 @dataclasses.dataclass(frozen=True)
 class OrderGathers(ModulePass):
     name = "order-gathers"
-    preserves = (GatherAnalysis, CostAnalysis)  # costs do not depend on the order
+    preserves = (GatherAnalysis, Feeders, CostAnalysis)  # costs do not depend on the order
     reorders_only = True
     after = ("prefetch",)
 

@@ -32,6 +32,7 @@ import dataclasses
 from ..cost.model import CostAnalysis
 from ..ir import Cast, Compute, Launch, Program, Role, View, waits_of
 from .base import ModulePass, PassContext, PassResult, check_budget, option, register_pass
+from .feeders import Feeders
 from .gathers import GatherAnalysis
 from .memory_cap import OVER_PEAK_CAP, Headroom, headroom
 from .reduce_scatter_waits import launches_and_waits, plan_waits
@@ -42,7 +43,7 @@ from .sink import sink_in_order
 @dataclasses.dataclass(frozen=True)
 class OverlapReduceScatter(ModulePass):
     name = "overlap-reduce-scatter"
-    preserves = (GatherAnalysis, CostAnalysis)
+    preserves = (GatherAnalysis, Feeders, CostAnalysis)
     reorders_only = True
 
     max_in_flight_gb: float = option(1.0, "most gradient GiB in flight between reduce-scatter launches and their waits "
@@ -63,7 +64,8 @@ class OverlapReduceScatter(ModulePass):
         room = headroom(ctx, program)
         # what travels with each launch and trails each wait is read off the graph's edges,
         # which moves leave as they are: each is found once, for the moves and for the walk
-        feeders = {name: program.private_feeders(name, (View,)) for name in launches}
+        found = ctx.get(Feeders, program)
+        feeders = {name: found.of(name) for name in launches}
         hoisted = sum(_hoist(program, name, room, feeders[name]) for name in launches) if self.hoist else 0
         # views of each result (a bucket's per-parameter slices) and casts of it (to the
         # gradient's dtype) go down to their uses first, so that the wait can follow them

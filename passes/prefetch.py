@@ -15,6 +15,7 @@ import attrs
 from ..cost.model import CostAnalysis
 from ..ir import Phase, Program
 from .base import ModulePass, PassContext, PassResult, register_pass
+from .feeders import Feeders
 from .gathers import GatherAnalysis
 from .memory_cap import OVER_PEAK_CAP, headroom
 from .placement import LATER_FOR_CAP, NO_EARLIER_SLOT, LaterForCap, NeedOrder, plan
@@ -24,7 +25,7 @@ from .placement import LATER_FOR_CAP, NO_EARLIER_SLOT, LaterForCap, NeedOrder, p
 @dataclasses.dataclass(frozen=True)
 class Prefetch(ModulePass):
     name = "prefetch"
-    preserves = (GatherAnalysis, CostAnalysis)  # costs do not depend on the order
+    preserves = (GatherAnalysis, Feeders, CostAnalysis)  # costs do not depend on the order
     reorders_only = True
     after = ("anchor", "hide", "budget")
 

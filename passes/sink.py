@@ -26,6 +26,7 @@ from ..cost.model import CostAnalysis
 from ..ir import DATA, Program, Wait, waits_of
 from ..ir.errors import ConfigError
 from .base import ModulePass, PassContext, PassResult, option, register_pass
+from .feeders import Feeders
 from .gathers import GatherAnalysis
 from .memory_cap import OVER_PEAK_CAP, Headroom, headroom
 
@@ -34,7 +35,7 @@ from .memory_cap import OVER_PEAK_CAP, Headroom, headroom
 @dataclasses.dataclass(frozen=True)
 class Sink(ModulePass):
     name = "sink"
-    preserves = (GatherAnalysis, CostAnalysis)  # costs do not depend on the order
+    preserves = (GatherAnalysis, Feeders, CostAnalysis)  # costs do not depend on the order
     reorders_only = True
 
     order: str = option("launch", "stack realizations before one node in launch order (the reference's) "

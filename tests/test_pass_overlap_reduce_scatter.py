@@ -104,3 +104,20 @@ def test_its_own_output_is_a_fixed_point():
         twice, stats, _ = run(print_program(once), pipeline)
         assert twice.schedule.names() == once.schedule.names()
         assert not stats["changed"]
+
+
+def test_the_feeders_hide_found_serve_it(monkeypatch):
+    """What travels with each reduce-scatter is read off the edges once per pipeline (the
+    `Feeders` analysis): hide asks, overlap-reduce-scatter takes the kept answers; a check of
+    the kept analysis (the tests' check_analyses) finds them again afresh."""
+    from fxsched.ir import Program
+    asked = []
+    original = Program.private_feeders
+    monkeypatch.setattr(Program, "private_feeders", lambda self, name, kinds: asked.append(name) or original(self, name, kinds))
+    program = parse_program(dedent(ONE_AFTER_THE_OTHER))
+    PassManager("hide,overlap-reduce-scatter", check_analyses=False).run(program, PassContext(cost_model=COSTS))
+    assert sorted(asked) == ["rd1", "rd2"]
+    asked.clear()
+    PassManager("hide,overlap-reduce-scatter", check_analyses=True).run(parse_program(dedent(ONE_AFTER_THE_OTHER)),
+                                                                           PassContext(cost_model=COSTS))
+    assert sorted(set(asked)) == ["rd1", "rd2"] and len(asked) > 2
