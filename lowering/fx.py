@@ -213,8 +213,10 @@ def _python_view(name: str) -> tuple[bool, bool]:
         packet = None
     if not isinstance(packet, torch._ops.OpOverloadPacket) or not packet.overloads():
         return (True, True) if name in _MAY_RETURN_SELF else (False, False)
-    schemas = [getattr(packet, o)._schema for o in packet.overloads()]
-    if not all(not s.is_mutable and s.returns and s.returns[0].alias_info is not None
+    # the overloads a tensor call may run (`split.str`, of a str, is no candidate for `x.split(1)`)
+    schemas = [schema for schema in (getattr(packet, o)._schema for o in packet.overloads())
+               if schema.arguments and isinstance(schema.arguments[0].type, torch.TensorType)]
+    if not schemas or not all(not s.is_mutable and s.returns and s.returns[0].alias_info is not None
                and not s.returns[0].alias_info.is_write for s in schemas):
         return False, False
     return True, any(map(_composite, schemas))
