@@ -14,8 +14,9 @@ before partitioning, which rebuilds and reorders the backward graph (and decides
 recomputed there, re-gathers included), so a schedule made there would not survive.
 
 Each call: recognise untagged FSDP gathers and gradient reductions (`lowering.structural`), then lower → run the
-pipeline → raise (via `fxsched.schedule`), and give the given `fx.Graph` the raised order in
-place (the same node objects, relinked; nothing Inductor holds is invalidated). Its `uuid()`
+pipeline → raise, and give the given `fx.Graph` the raised order in place (the same node
+objects, relinked, as the drop-in does where the passes only reordered; nothing Inductor holds
+is invalidated). Its `uuid()`
 hashes the pipeline text, the options, fxsched's version and every source file the pass can
 execute (`source_files`), so Inductor's FX graph cache keys on it (a cache hit skips the
 pass: the compiled code already has its order).
@@ -36,9 +37,10 @@ import torch
 from torch import fx
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
+from ..ir import Program, tags
 from ..lowering.structural import tag_fsdp_collectives, untag_fsdp_gathers
+from ..raising import raise_in_place, reorders_only
 from ..raising.lint import lint
-from ..ir import tags
 from ..passes import DEFAULT_PIPELINE, PassManager
 
 __all__ = ["HOOK", "RECORDS", "FxschedInductorPass", "compile_options", "graph_phase", "schedule_graph_in_place"]
@@ -155,7 +157,7 @@ def schedule_graph_in_place(graph: fx.Graph, pipeline: str = DEFAULT_PIPELINE, *
     skipped, `fxsched.schedule`'s report, counts of moved gathers and sunk nodes, and seconds.
     On an error the graph is left as it was (structural tags removed) and the error propagates.
     """
-    from .. import schedule  # the package face composes lowering → passes → raising
+    from ..api import _schedule  # the package face composes lowering → passes → raising
 
     started = time.perf_counter()
     owner = graph.owning_module
@@ -164,34 +166,46 @@ def schedule_graph_in_place(graph: fx.Graph, pipeline: str = DEFAULT_PIPELINE, *
     structural_result = tag_fsdp_collectives(graph, phase=phase) if structural else None
     try:
         with _uniform_phase(graph, phase):
-            done = schedule(owner, pipeline, verify_each=verify_each, cost_model=cost_model)
-        new_graph = done.graph_module.graph
-        in_place = _reorder_in_place(graph, [n.name for n in new_graph.nodes])
+            done = _schedule(owner, pipeline, _relink_or_copy, verify_each=verify_each, cost_model=cost_model)
+        in_place = done.graph_module is owner
         if not in_place:
-            _replace_contents(graph, new_graph)
+            new_graph = done.graph_module.graph
+            in_place = _reorder_in_place(graph, [n.name for n in new_graph.nodes])
+            if not in_place:
+                _replace_contents(graph, new_graph)
         lint(graph)  # Graph.lint, faster where the graph passes
     except BaseException:
         if structural:
             untag_fsdp_gathers(graph)
         raise
-    anchors = {row["launch"]: row["anchor"] for row in done.report["gathers"] if row["moved"]}
+    report = done.report  # (made anew on each read: its gathers table walks every op)
+    anchors = {row["launch"]: row["anchor"] for row in report["gathers"] if row["moved"]}
     for node in graph.nodes:
         if node.name in anchors:
             node.meta[tags.PREFETCH_ANCHOR] = anchors[node.name]
     owner.recompile()
-    stats = done.report["passes"]
+    stats = report["passes"]
     return {
         "phase": phase or graph_phase(graph),
         "nodes": len(graph.nodes),
         "pipeline": done.pipeline,
         "structural": structural_result.as_dict() if structural_result is not None else None,
-        "gathers": len(done.report["gathers"]),
+        "gathers": len(report["gathers"]),
         "moved": len(anchors),
         "sunk": sum(s.get("sunk", 0) for key, s in stats.items() if key.split("{")[0].split("#")[0] == "sink"),
         "relinked": in_place,
-        "report": done.report,
+        "report": report,
         "seconds": time.perf_counter() - started,
     }
+
+
+def _relink_or_copy(program: Program, earlier: frozenset[str]) -> fx.GraphModule:
+    """The given module with its own nodes relinked into the schedule where the passes only
+    reordered them; else the fresh copy `fxsched.schedule` raises (its moved gathers tagged),
+    which `schedule_graph_in_place` gives the graph by name (a name permutation) or node by node."""
+    from ..api import _raise_tagged
+
+    return raise_in_place(program) if reorders_only(program) else _raise_tagged(program, earlier)
 
 
 class FxschedInductorPass(CustomGraphPass):

@@ -1,5 +1,5 @@
 """IR Program → fresh FX GraphModule."""
 
-from .fx import RaisingError, raise_in_place, raise_program
+from .fx import RaisingError, raise_in_place, raise_program, reorders_only
 
-__all__ = ["RaisingError", "raise_in_place", "raise_program"]
+__all__ = ["RaisingError", "raise_in_place", "raise_program", "reorders_only"]

@@ -94,6 +94,25 @@ def _check_inputs_first(order: list[fx.Node]) -> None:
         add(node)
 
 
+def reorders_only(program: Program) -> bool:
+    """Whether the passes only reordered `program`'s lowered nodes, so that `raise_in_place`
+    raises what `raise_program` would: no op created or erased, every op still reading what
+    its FX node reads."""
+    graph, ops = _origin(program).graph, program.graph._node
+    if len(program.payload) != len(graph.nodes):
+        return False
+    for name, node in program.payload.items():
+        if not isinstance(node, fx.Node) or node.graph is not graph or not _reads_its_inputs(node, ops[name]["op"]):
+            return False
+    return True
+
+
+def _reads_its_inputs(node: fx.Node, op) -> bool:
+    """Whether `op`'s operands are still `node`'s FX inputs, in order, as lowering made them."""
+    inputs, operands = node._input_nodes, op.operands  # its inputs' own dict, not a list copy
+    return len(inputs) == len(operands) and not any(map(ne, operands, map(_name, inputs)))
+
+
 def _origin(program: Program) -> fx.GraphModule:
     source = program.origin
     if not isinstance(source, fx.GraphModule):
@@ -142,11 +161,10 @@ def _raise(program: Program, lint: bool, meta: Mapping[str, Mapping[str, Any]]) 
         if isinstance(node, Call):
             made[name] = _build(graph, op, node, value)
             continue
-        inputs, operands = node._input_nodes, op.operands  # its inputs' own dict, not a list copy
         mapper = remap
-        if len(inputs) != len(operands) or any(map(ne, operands, map(_name, inputs))):
+        if not _reads_its_inputs(node, op):
             # a rewriting pass changed what it reads: each FX input maps to its operand's node
-            mapper = dict(zip(inputs, (value(o) for o in operands))).__getitem__
+            mapper = dict(zip(node._input_nodes, map(value, op.operands))).__getitem__
         # Graph.node_copy, less its `copy.meta = ...`: assigning an attribute of a node already in
         # the graph goes through Node.__setattr__, which takes it out of the graph's lookup table
         # and puts it back (a tenth of raising); filling the new node's empty meta dict is the same

@@ -1,16 +1,18 @@
 """The drop-in schedules the caller's module in place: it relinks the module's own nodes into
 the new order (nothing copied, meta and names kept), checks that each node follows its inputs,
-and generates the code once."""
+and generates the code once; the torch.compile pass does the same where the passes only reordered."""
 
 from __future__ import annotations
 
+import attrs
 import pytest
 from torch import fx
 
 import fxsched
 from fxsched.front.generate import generate_graph
-from fxsched.raising import RaisingError, raise_in_place
 from fxsched.lowering import lower
+from fxsched.passes import PassManager
+from fxsched.raising import RaisingError, raise_in_place, reorders_only
 
 CONFIG = fxsched.PassConfig(max_in_flight_gb=1.0, fsdp_forward_prefetch_depth=2)
 
@@ -75,3 +77,19 @@ def test_in_place_raising_refuses_an_order_that_runs_a_node_before_its_input():
     with pytest.raises(RaisingError, match=f"%{user.name} would run before its input %{user.all_input_nodes[0].name}"):
         raise_in_place(program)
     assert list(gm.graph.nodes) == order  # checked before relinking: the caller's graph is left as it was
+
+
+def test_reorders_only_tells_a_reordering_from_a_rewrite():
+    # the torch.compile pass relinks in place where reorders_only says the passes only reordered
+    program = lower(_graph())
+    PassManager(fxsched.reference_pipeline(1.0, 2, 1)).run(program)
+    assert reorders_only(program)
+    program = lower(_graph())
+    PassManager("default,unshard,bucket").run(program)  # creates and erases ops
+    assert not reorders_only(program)
+    program = lower(_graph())
+    user = next(n for n in program.origin.graph.nodes if n.op == "call_function" and len(n.all_input_nodes) == 1)
+    other = next(n for n in program.origin.graph.nodes if n.op == "placeholder" and n not in user.all_input_nodes)
+    data = program.graph._node[user.name]
+    data["op"] = attrs.evolve(data["op"], operands=(other.name,))  # rewired: reads another value than its node
+    assert not reorders_only(program)
