@@ -625,23 +625,33 @@ class _Lowering:
         """The operand a higher-order op's result may share storage with (or a call_module's of a
         GraphModule, `split_module`'s stages): a subgraph that returns one of its inputs (or a view
         of it, or what an in-place op on it returned) hands that operand back, so reads of the
-        result must keep their order with writes of it. Which operand an input is, is known for
-        `invoke_subgraph(subgraph, identifier, *operands)` and a module call; for another op, any
+        result must keep their order with writes of it. Which operand an input is: the arguments
+        after the (last) subgraph, when as many as its inputs (a module call's arguments); else any
         tensor operand. A result that may be one of several operands cannot be said in the IR (an
         op aliases one operand): a LoweringError rather than a guess."""
         tensors = [n for n in node.all_input_nodes if n.op != "get_attr"]
         if node.op == "call_module":
-            operands = node.args if not node.kwargs else None
+            operands = list(node.args) if not node.kwargs else None
         else:
-            operands = node.args[2:] if node.target.name() == "invoke_subgraph" else None
+            # the arguments after the last subgraph, less leading constants (`invoke_subgraph`'s
+            # identifier), or the one list there (`cond`'s operands): `wrap`, `tag_activation_checkpoint`
+            # and `invoke_subgraph` pass them to the subgraph's inputs in order
+            at = max((i for i, a in enumerate(node.args) if isinstance(a, fx.Node) and a.op == "get_attr"
+                      and isinstance(attrgetter(a.target)(self.gm), fx.GraphModule)), default=None)
+            operands = list(node.args[at + 1:]) if at is not None else None
+            while operands and not isinstance(operands[0], (fx.Node, list, tuple)):
+                operands.pop(0)
+            if operands is not None and len(operands) == 1 and isinstance(operands[0], (list, tuple)):
+                operands = list(operands[0])
         found: list[fx.Node] = []
         for sub in subgraphs:
             returned = self.returned_inputs(sub)
             if returned is None:  # a subgraph fxsched could not lower: any operand
                 found += tensors
                 continue
+            known = operands is not None and len(operands) == len(sub.graph.find_nodes(op="placeholder"))
             for at in returned:
-                if operands is None or at >= len(operands) or not isinstance(operands[at], fx.Node):
+                if not known or not isinstance(operands[at], fx.Node):
                     found += tensors
                 else:
                     found.append(operands[at])

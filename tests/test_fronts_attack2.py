@@ -812,3 +812,23 @@ def test_random_symbolic_traces_of_views_and_in_place_writes_keep_their_numbers(
             assert all(torch.equal(a, b) for a, b in zip(expected, got)), (seed, gm.code)
         checked += 1
     assert checked >= 40
+
+
+def test_a_checkpointed_body_returning_an_input_aliases_that_input():
+    """dynamo's `tag_activation_checkpoint(body, y, x)` whose body returns x: the result aliases x
+    (its operand at the body's input's position), not one of both (a LoweringError, which refused
+    such a dynamo graph); a write of x after it keeps its order with reads of the result."""
+    root = nn.Module()
+    root.body = make_fx(lambda y, x: (x, y * 2))(torch.randn(3), torch.randn(3))
+
+    def build(g):
+        x, y = g.placeholder("x"), g.placeholder("y")
+        call = g.call_function(torch.ops.higher_order.tag_activation_checkpoint, (g.get_attr("body"), y, x),
+                               {"use_reentrant": False})
+        first = g.call_function(operator.getitem, (call, 0))
+        g.call_method("add_", (x, 1))
+        g.output((g.call_function(operator.mul, (first, 3)), g.call_function(operator.getitem, (call, 1))))
+
+    gm = _graph(build, root)
+    assert lower(gm).op("tag_activation_checkpoint").alias == "x"
+    assert_every_legal_order_computes_the_same(gm, [torch.randn(3), torch.randn(3)])
