@@ -1,4 +1,5 @@
-"""IR Program → fresh FX GraphModule."""
+"""IR Program → FX: a fresh GraphModule, or the lowered one relinked in place (fx.py); and
+`lint`, torch's Graph.lint at C speed where the graph passes (lint.py)."""
 
 from .fx import RaisingError, raise_in_place, raise_program, reorders_only
 

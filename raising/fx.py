@@ -5,7 +5,8 @@ lowered one itself with its own nodes relinked.
 or `.code` (torch's `_LazyGraphModule`, as Inductor's own passes use): a scheduling pass hands
 the graph on and most callers never run its code, and generating it is over half of raising
 at 30k nodes. `raise_in_place` copies nothing: the drop-in schedules the caller's module in
-place, so its own nodes (meta, names, users, everything callers hold) are put in the new order.
+place, so its own nodes (meta, names, users, everything callers hold) are put in the new order;
+it can where the passes only reordered them (`reorders_only`; the torch.compile pass asks).
 """
 
 from __future__ import annotations
