@@ -48,7 +48,7 @@ from fxsched.front.generate import generate_graph
 from fxsched.ir import (BACKWARD, ENTRY, Cast, Compute, CopyOut, Input, Launch, Marker, Output, Phase, Program,
                         Schedule, VerifyError, verify, Barrier)
 from fxsched.lowering import lower
-from fxsched.lowering.fx import target_name
+from fxsched.lowering.targets import target_name
 from fxsched.models import MODELS, build_model
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))

@@ -27,7 +27,8 @@ from torch import fx
 
 from ..ir import Launch, Opaque
 from ..ir import tags
-from ..lowering.fx import collective_overload, target_name, value_types
+from ..lowering.fx import value_types
+from ..lowering.targets import collective_overload, target_name
 
 __all__ = ["ScheduleMismatch", "check_ranks_agree", "collective_entries", "compare_entries", "describe", "fingerprint"]
 

@@ -1,0 +1,442 @@
+"""What an FX call does, per `(op, target)`: its schema's writes and aliases, whether it is a
+collective, a view, random, in place, and what a Python call named like an aten op does.
+
+A graph has a few hundred distinct targets and tens of thousands of nodes: `_classify` works
+each target out once (`_Target`), and `lowering/fx.py` reads each node's args and meta against
+it. The tables below are the calls whose schema does not say what they do.
+"""
+
+from __future__ import annotations
+
+import inspect
+import operator
+from operator import attrgetter
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import torch
+from torch import fx
+
+from ..ir.opclass import is_attention, is_heavy
+
+CAST_OPS = {"prims::convert_element_type", "aten::_to_copy"}
+COLLECTIVE_NAMESPACES = ("_c10d_functional", "c10d_functional")
+
+
+def target_name(node: fx.Node) -> str:
+    return _target_name(node.target)
+
+
+def _target_name(target) -> str:
+    if isinstance(target, str):
+        return target
+    if isinstance(target, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
+        return str(target)
+    module = getattr(target, "__module__", None) or ""
+    name = getattr(target, "__qualname__", None) or getattr(target, "__name__", repr(target))
+    return f"{module}.{name}" if module else name
+
+
+#: ops that write arguments their schema does not mark (`Tensor(a!)`): aten's older batch norms
+#: update `running_mean` and `running_var` in place in training mode (functionalization knows
+#: them by name too); make_fx without functionalization records `native_batch_norm` so. Taken to
+#: write them in every mode (in eval mode that only costs an order that was not needed).
+UNDECLARED_WRITES = {name: ("running_mean", "running_var") for name in (
+    "aten::native_batch_norm", "aten::batch_norm", "aten::_batch_norm_impl_index", "aten::cudnn_batch_norm",
+    "aten::miopen_batch_norm", "aten::instance_norm")}
+#: the functional point-to-point receive receives into the tensor it is given and returns it
+#: (`irecv_inplace`; its schema, `irecv(Tensor tensor, ...) -> Tensor`, says neither): checked on 2
+#: gloo ranks
+UNDECLARED_WRITES["_c10d_functional::irecv"] = ("tensor",)
+UNDECLARED_RESULT = {"_c10d_functional::irecv": "tensor"}
+#: a batch of sends and receives (`batch_p2p_ops`) returns the receiving tensors themselves, each
+#: waited through a getitem: the batch and its waits are barriers
+P2P_BATCH = "_c10d_functional::batch_p2p_ops"
+
+
+def _written_arguments(schema) -> tuple[tuple[int, str], ...]:
+    """(position, name) of each argument the schema writes (`Tensor(a!)`, or one of
+    `UNDECLARED_WRITES`)."""
+    undeclared = UNDECLARED_WRITES.get(schema.name, ())
+    return tuple((i, a.name) for i, a in enumerate(schema.arguments)
+                 if (a.alias_info is not None and a.alias_info.is_write) or a.name in undeclared)
+
+
+# Python functions that write their first argument in place (operator.iadd is `x += y`), and as
+# dunder methods (`x.__iadd__(y)`, `x.__setitem__(i, v)`)
+_PY_INPLACE = frozenset({"iadd", "isub", "imul", "imatmul", "itruediv", "ifloordiv", "imod", "ipow", "iand", "ior",
+                         "ixor", "ilshift", "irshift", "setitem", "delitem"})
+# tensor attributes that are views of the tensor (`x.T`: symbolic_trace records `getattr(x, "T")`)
+_VIEW_ATTRIBUTES = frozenset({"T", "mT", "H", "mH", "real", "imag", "data"})
+# tensor attributes that are no tensor (`getattr(x, "shape")`): any other may be one held by x
+_PLAIN_ATTRIBUTES = frozenset({"shape", "dtype", "device", "ndim", "layout", "requires_grad", "is_leaf", "is_cuda",
+                               "is_cpu", "is_meta", "is_sparse", "is_quantized", "is_nested", "names", "itemsize",
+                               "nbytes", "grad_fn", "output_nr", "_version", "is_mkldnn", "name"})
+# modules of Python callables fxsched knows by their name (torch's functions, operator, builtins)
+_KNOWN_MODULES = ("torch", "_operator", "operator", "builtins", "math")
+
+
+class _Target(NamedTuple):
+    """All that lowering asks of a node's `(op, target)` and not of its args or meta.
+
+    A graph has a few hundred distinct targets and tens of thousands of nodes, so `_classify`
+    works this out once per target: the schema reads and `str(OpOverload)` per node were a
+    large share of lowering.
+    """
+
+    name: str  # target_name
+    schema: Any  # the op's FunctionSchema (call_function only), else None
+    collective: bool  # a functional collective (launch or wait)
+    wait: bool  # a functional collective's wait_tensor
+    coalesced: bool  # a functional collective returning a list (`*_coalesced`: one result per input)
+    all_gather: bool  # a functional all_gather_into_tensor (also `_out` and `_coalesced`)
+    view: bool  # the result aliases the first operand (getitem, or a schema alias that is read only)
+    may_copy: bool  # a view by schema that may copy instead (a CompositeImplicit op: reshape, contiguous, to)
+    written: tuple[tuple[int, str], ...]  # (position, name) of the arguments the schema writes
+    result_alias: int | None  # position of the written argument the result aliases (`-> Tensor(a!)`)
+    py_inplace: bool  # a Python call that writes its first argument by convention (`relu_`, `x.add_`, iadd)
+    known: bool  # fxsched knows what the call touches (an op with a schema, torch's, operator's)
+    packet: bool  # an OpOverloadPacket: which overload runs, and what it writes, depends on the call
+    cast: bool
+    random: bool  # draws from the RNG (an op tagged nondeterministic_seeded, or a Python call named like one)
+    clone: bool  # aten.clone.default (a bucket's copy-out when tagged so)
+    heavy: bool
+    attention: bool
+    undeclared: tuple[tuple[int, str], ...]  # (position, name) of what a Python batch norm writes (`UNDECLARED_WRITES`)
+    inplace_at: int | None  # position of a Python function's `inplace` parameter (`F.relu(x, True)`)
+    side_effect: bool  # a Python call into torch.distributed (`dist.all_reduce`, `dist.send`): communication fx cannot see
+    group_at: int | None  # position of the `group_name` argument, if the schema has one
+    group_size_at: int | None  # position of the (last) `group_size` argument
+    reduce_op_at: int | None  # position of the `reduce_op` argument, if the schema has one
+    several: bool  # may return views of each of several tensors it is given (`_SEVERAL`)
+    python_written: tuple  # a Python call's: the schemas of aten's overloads of its name that write
+    returned: tuple[int | None, ...]  # per element of a tuple result, the argument it is (`_returned`), or ()
+
+
+def _composite(schema) -> bool:
+    """A CompositeImplicit op: it decomposes into a view or a copy (reshape, contiguous, to). A
+    schema the dispatcher does not know (`aten::cpu`, `-> Tensor(b|a)`: torch declares it for
+    Python only) is taken to be one: it may return its input or a copy."""
+    name = schema.name + (f".{schema.overload_name}" if schema.overload_name else "")
+    try:
+        return torch._C._dispatch_has_kernel_for_dispatch_key(name, "CompositeImplicitAutograd")
+    except RuntimeError:
+        return True
+
+
+#: ops whose schema says the result is fresh but which may return their (first) tensor input or a
+#: view of it (`einsum("ij->ji", x)`, `x.type_as(y)` of y's type, `x.to_dense()` of a dense x,
+#: `sum_to_size` to x's size, the `unsafe_` splits, `torch.as_tensor(x)`): read as views that may
+#: copy, decided by meta["val"] where there is one. broadcast_tensors and meshgrid may return views
+#: of each of several inputs (`_several_sources`).
+MAY_RETURN_INPUT = frozenset({
+    "einsum", "type_as", "to_dense", "to_sparse", "chalf", "lift", "sum_to_size", "atleast_1d", "atleast_2d",
+    "atleast_3d", "unsafe_split", "unsafe_chunk", "unsafe_split_with_sizes", "flatten_dense_tensors", "as_tensor",
+    "asarray", "broadcast_tensors", "meshgrid", "_cast_Byte", "_cast_Char", "_cast_Double", "_cast_Float",
+    "_cast_Half", "_cast_Int", "_cast_Long", "_cast_Short"})
+#: of them, those that return (views of) all of several tensors they are given
+_SEVERAL = frozenset({"broadcast_tensors", "meshgrid", "atleast_1d", "atleast_2d", "atleast_3d",
+                      "flatten_dense_tensors"})
+
+
+#: Tensor methods with no aten op of their name that return the tensor itself when it already
+#: is what they convert to (`x.float()` of a float tensor is `x`), else a copy
+_MAY_RETURN_SELF = frozenset({"float", "double", "half", "bfloat16", "int", "long", "short", "char", "byte", "bool",
+                              "cfloat", "cdouble", "type", "type_as", "cpu", "cuda", "to", "contiguous"})
+
+
+#: Tensor methods returning the tensor's storage: `x.untyped_storage().resize_(0)` frees x (FSDP's
+#: reshard), so the storage is a view of x, as a write through it is a write of x
+_STORAGE_OF = frozenset({"untyped_storage", "storage", "_typed_storage"})
+
+
+def _python_view(name: str) -> tuple[bool, bool]:
+    """(a view, one that may copy) for a Python call named like an aten op: a view when every
+    overload of `aten.<name>` returns an alias of its input and writes nothing."""
+    if name in _STORAGE_OF:
+        return True, False
+    try:
+        packet = getattr(torch.ops.aten, name)
+    except (AttributeError, RuntimeError):
+        packet = None
+    if not isinstance(packet, torch._ops.OpOverloadPacket) or not packet.overloads():
+        return (True, True) if name in _MAY_RETURN_SELF else (False, False)
+    # the overloads a tensor call may run (`split.str`, of a str, is no candidate for `x.split(1)`)
+    schemas = [schema for schema in (getattr(packet, o)._schema for o in packet.overloads())
+               if schema.arguments and isinstance(schema.arguments[0].type, torch.TensorType)]
+    if not schemas or not all(not s.is_mutable and s.returns and s.returns[0].alias_info is not None
+               and not s.returns[0].alias_info.is_write for s in schemas):
+        return False, False
+    return True, any(map(_composite, schemas))
+
+
+#: Higher-order ops that draw from a generator whose state outlives the call (no schema, no tags):
+#: `run_and_save_rng_state` returns the global state, then runs its op on it (activation
+#: checkpointing with functionalized RNG: the backward replays it with `run_with_rng_state`, which
+#: sets a given state and puts the global one back, so it draws from no shared state and is not
+#: listed); `graphsafe_run_with_rng_state` runs its op on a generator passed in, advancing it.
+RNG_DRAWING_HOPS = frozenset({"run_and_save_rng_state", "graphsafe_run_with_rng_state"})
+
+
+def _subgraphs(gm: fx.GraphModule, node: fx.Node) -> list[fx.GraphModule]:
+    """The GraphModules a call is given (through `get_attr` nodes of `gm`)."""
+    found = []
+    for arg in node.all_input_nodes:
+        if arg.op == "get_attr":
+            value = attrgetter(arg.target)(gm)
+            if isinstance(value, fx.GraphModule):
+                found.append(value)
+    return found
+
+
+def _graph_draws(gm: fx.GraphModule, target: Callable[[fx.Node], _Target]) -> bool:
+    """Whether any call in `gm`, or in a subgraph of one, draws from the RNG (`target`: the
+    lowering's classification of a call, cached per target)."""
+    for node in gm.graph.nodes:
+        if node.op == "call_module":
+            if _random_module(gm.get_submodule(node.target)):
+                return True
+        elif node.op in ("call_function", "call_method"):
+            if target(node).random or (isinstance(node.target, torch._ops.HigherOrderOperator)
+                                       and any(_graph_draws(sub, target) for sub in _subgraphs(gm, node))):
+                return True
+    return False
+
+
+# Python calls that set or read the generator's state (`torch.manual_seed(0)` between two draws)
+# (and a Generator's: `g.set_state(s)` between two draws from g)
+_RNG_STATE = frozenset({"manual_seed", "seed", "set_rng_state", "get_rng_state", "set_state", "get_state",
+                        "graphsafe_set_state", "graphsafe_get_state", "clone_state"})
+
+
+#: Higher-order ops that read their tensors and write none (each op they are given is run
+#: functionally); a higher-order op neither listed nor given a subgraph fxsched can read is taken
+#: to write every tensor it is given
+FUNCTIONAL_HOPS = frozenset({"auto_functionalized", "auto_functionalized_v2", "triton_kernel_wrapper_functional",
+                             "with_effects", "run_and_save_rng_state", "run_with_rng_state",
+                             "graphsafe_run_with_rng_state", "out_dtype"})
+#: `triton_kernel_wrapper_mutation(kernel_idx, ..., kwargs={name: tensor})` runs a user's triton
+#: kernel on the tensors of `kwargs`, writing those it stores to (all of them, as fxsched sees it)
+TRITON_MUTATION = "triton_kernel_wrapper_mutation"
+
+
+def _graph_state(gm: fx.GraphModule) -> bool:
+    """Whether `gm`, or a subgraph of it, reads a tensor attribute of its own (a get_attr)."""
+    for node in gm.graph.find_nodes(op="get_attr"):
+        value = attrgetter(node.target)(gm)
+        if isinstance(value, torch.Tensor) or (isinstance(value, fx.GraphModule) and _graph_state(value)):
+            return True
+    return False
+
+
+def _graph_writes(gm: fx.GraphModule, target: Callable[[fx.Node], _Target]) -> bool:
+    """Whether any call in `gm`, or in a subgraph of one, writes a tensor in place."""
+    for node in gm.graph.nodes:
+        if node.op == "call_module":
+            if getattr(gm.get_submodule(node.target), "inplace", False) is True:
+                return True
+        elif node.op in ("call_function", "call_method"):
+            info = target(node)
+            if info.written or info.py_inplace or node.kwargs.get("inplace") is True:
+                return True
+            if isinstance(node.target, torch._ops.HigherOrderOperator) and (
+                    node.target.name() == TRITON_MUTATION
+                    or any(_graph_writes(sub, target) for sub in _subgraphs(gm, node))):
+                return True
+    return False
+
+
+def _python_random(name: str) -> bool:
+    """A Python call that draws from the RNG (`F.dropout`, `torch.rand_like`, `x.bernoulli_`):
+    named like an aten op with an overload tagged nondeterministic_seeded, or a dropout."""
+    if "dropout" in name or name in _RNG_STATE:  # dropout1d/2d/3d and feature_alpha_dropout have no aten op of that name
+        return True
+    packet = getattr(torch.ops.aten, name, None) if name.isidentifier() else None
+    if not isinstance(packet, torch._ops.OpOverloadPacket):
+        return False
+    return any(torch.Tag.nondeterministic_seeded in getattr(packet, o).tags for o in packet.overloads())
+
+
+def _updates_running_stats(module) -> bool:
+    """A batch or instance norm in training mode that tracks running statistics: its call writes
+    its `running_mean`, `running_var` and `num_batches_tracked` (symbolic_trace keeps it a call_module)."""
+    return (isinstance(module, torch.nn.modules.batchnorm._NormBase) and module.training
+            and module.track_running_stats)
+
+
+#: torch.nn modules whose call may return its input itself or a view of it (a dropout in eval mode,
+#: or with p=0, returns its input)
+_MODULES_RETURNING_INPUT = (torch.nn.Identity, torch.nn.Flatten, torch.nn.Unflatten, torch.nn.modules.dropout._DropoutNd)
+
+
+def _random_module(module) -> bool:
+    """A module whose forward draws from the RNG: a dropout (even in eval mode: ordering a call
+    that does not draw only costs freedom), or RReLU."""
+    return isinstance(module, (torch.nn.modules.dropout._DropoutNd, torch.nn.RReLU))
+
+
+def _undeclared_at(target, short: str) -> tuple[tuple[int, str], ...]:
+    """(position, name) of the arguments a Python call named like one of `UNDECLARED_WRITES`
+    (`F.batch_norm`, `torch.batch_norm`, `F.instance_norm`: what dynamo records) writes: by its
+    Python signature, or, for a builtin without one, by aten's schema of that name."""
+    names = UNDECLARED_WRITES.get(f"aten::{short}")
+    if not names:
+        return ()
+    try:
+        arguments = list(inspect.signature(target).parameters)
+    except (TypeError, ValueError):
+        packet = getattr(torch.ops.aten, short, None)
+        overloads = packet.overloads() if isinstance(packet, torch._ops.OpOverloadPacket) else ()
+        arguments = [a.name for a in getattr(packet, overloads[0])._schema.arguments] if overloads else []
+    return tuple((arguments.index(name) if name in arguments else -1, name) for name in names)
+
+
+def _inplace_at(target) -> int | None:
+    """The position of a Python function's `inplace` parameter (`F.relu(input, inplace)`), if it
+    has one that may be passed by position."""
+    try:
+        parameters = list(inspect.signature(target).parameters.values())
+    except (TypeError, ValueError):  # a builtin without a signature
+        return None
+    for at, parameter in enumerate(parameters):
+        if parameter.name == "inplace" and parameter.kind in (parameter.POSITIONAL_ONLY, parameter.POSITIONAL_OR_KEYWORD):
+            return at
+    return None
+
+
+def _distributed(module: str, short: str) -> bool:
+    """A Python function of torch.distributed that communicates in place or as a side effect
+    (`dist.all_reduce`, `dist.recv`, `dist.barrier`): not one of the functional collectives'
+    wrappers, which return a new tensor (but their `*inplace*` ones)."""
+    if not (module == "torch.distributed" or module.startswith("torch.distributed.")):
+        return False
+    return not module.startswith("torch.distributed._functional_collectives") or "inplace" in short
+
+
+def collective_overload(target):
+    """The one overload of a functional collective's packet (dynamo's graphs call
+    `torch.ops._c10d_functional.wait_tensor`, no `.default`): the call runs it, so it is read as
+    that overload (a launch, a wait). Anything else: None."""
+    if not isinstance(target, torch._ops.OpOverloadPacket):
+        return None
+    if target._qualified_op_name.split("::")[0] not in COLLECTIVE_NAMESPACES or target.overloads() != ["default"]:
+        return None
+    return target.default
+
+
+def _classify(op: str, target) -> _Target:
+    name = _target_name(target)
+    call = op == "call_function"
+    if call and not hasattr(target, "_schema") and getattr(torch.Tensor, getattr(target, "__name__", ""), None) is target:
+        # `torch.Tensor.view` called as a function (no module says whose it is): the method it is
+        return _classify("call_method", target.__name__)._replace(name=name)
+    if call:
+        target = collective_overload(target) or target
+    schema = getattr(target, "_schema", None) if call else None
+    collective = schema is not None and schema.name.split("::")[0] in COLLECTIVE_NAMESPACES
+    view = (call and target is operator.getitem) or (
+        schema is not None and not schema.is_mutable and bool(schema.returns)
+        and schema.returns[0].alias_info is not None and not schema.returns[0].alias_info.is_write)
+    arguments = [a.name for a in schema.arguments] if schema is not None else []
+    attention = call and is_attention(name)
+    written = _written_arguments(schema) if schema is not None else ()
+    result_alias = None
+    if written and schema.returns and (ret := schema.returns[0].alias_info) is not None and ret.is_write:
+        result_alias = next((i for i, _ in written if schema.arguments[i].alias_info is not None
+                             and schema.arguments[i].alias_info.before_set == ret.before_set), None)
+    elif schema is not None and schema.name in UNDECLARED_RESULT:
+        result_alias = next(i for i, a in enumerate(schema.arguments) if a.name == UNDECLARED_RESULT[schema.name])
+    short = name.rsplit(".", 1)[-1]
+    module = (getattr(target, "__module__", None) or "") if call else ""
+    may_copy = view and schema is not None and _composite(schema)
+    if schema is not None and schema.name == "aten::_unsafe_view":
+        # a view without the alias annotation (so autograd treats its result as fresh); what
+        # it does to storage is a view's: read it as one that may copy, decided by meta["val"]
+        view, may_copy = True, True
+    if schema is None and (op == "call_method" or (call and module.split(".")[0] == "torch")):
+        # a Python call (`x.view(...)`, `x.reshape(...)`, `torch.t(x)`): what aten's op of that name says
+        view, may_copy = _python_view(short)
+    base = schema.name.split("::")[-1] if schema is not None else short
+    if base in MAY_RETURN_INPUT and (schema is not None or op == "call_method" or module.split(".")[0] == "torch"):
+        view, may_copy = True, True
+    py_inplace = (
+        (op == "call_method" and isinstance(target, str)
+         and ((target.endswith("_") and not target.startswith("_")) or target.strip("_") in _PY_INPLACE))
+        or (call and schema is None and not isinstance(target, torch._ops.OpOverloadPacket)
+            and ((short.endswith("_") and not short.startswith("_"))
+                 or (module in ("_operator", "operator") and short in _PY_INPLACE))))
+    return _Target(
+        name=name,
+        schema=schema,
+        collective=collective,
+        wait=collective and schema.name.endswith("::wait_tensor"),
+        coalesced=collective and bool(schema.returns) and isinstance(schema.returns[0].type, torch.ListType),
+        all_gather=schema is not None and schema.name.endswith(("::all_gather_into_tensor", "::all_gather_into_tensor_out",
+                                                                "::all_gather_into_tensor_coalesced")),
+        view=view,
+        may_copy=may_copy,
+        written=written,
+        result_alias=result_alias,
+        py_inplace=py_inplace,
+        known=op == "call_method" or (call and (schema is not None or isinstance(target, torch._ops.OpOverloadPacket)
+                                                or (module.split(".")[0] in _KNOWN_MODULES and not _distributed(module, short))
+                                                or target is operator.getitem)),
+        packet=call and isinstance(target, torch._ops.OpOverloadPacket),
+        cast=schema is not None and schema.name in CAST_OPS,
+        random=(torch.Tag.nondeterministic_seeded in target.tags if isinstance(target, torch._ops.OpOverload)
+                else isinstance(target, torch._ops.HigherOrderOperator) and target.name() in RNG_DRAWING_HOPS
+                or schema is None and (op == "call_method" or (call and module.split(".")[0] == "torch"))
+                and _python_random(short)),
+        clone=call and target is torch.ops.aten.clone.default,
+        heavy=call and is_heavy(name),
+        attention=attention,
+        undeclared=_undeclared_at(target, short) if call and schema is None else (),
+        inplace_at=_inplace_at(target) if call and schema is None else None,
+        # `loss.backward()` writes the `.grad` of every leaf it reaches, which no operand names
+        side_effect=schema is None and ((call and _distributed(module, short))
+                                        or (short == "backward" and (op == "call_method" or module.split(".")[0] == "torch"))),
+        several=view and base in _SEVERAL,
+        python_written=_python_written(short) if schema is None and (
+            op == "call_method" or (call and module.split(".")[0] == "torch")) else (),
+        group_at=arguments.index("group_name") if "group_name" in arguments else None,
+        group_size_at=len(arguments) - 1 - arguments[::-1].index("group_size") if "group_size" in arguments else None,
+        reduce_op_at=arguments.index("reduce_op") if "reduce_op" in arguments else None,
+        returned=_returned(schema) if schema is not None else (),
+    )
+
+
+def _returned(schema) -> tuple[int | None, ...]:
+    """For an op returning a tuple, per element the position of the argument it is (None: fresh
+    storage); () for any other op. An out= overload returns the tensors it writes
+    (`max.dim_max(..., Tensor(a!) max, Tensor(b!) max_values) -> (Tensor(a!), Tensor(b!))`); a c10d
+    op (`allreduce_([x], group, ...) -> (Tensor[], Work)`, what make_fx records of `dist.*`) returns
+    its first argument's tensors, which its schema does not say."""
+    if schema.name.startswith("c10d::"):
+        if (schema.returns and schema.arguments and _tensors_type(schema.returns[0].type)
+                and _tensors_type(schema.arguments[0].type)):
+            return (0,) + (None,) * (len(schema.returns) - 1)
+        return ()
+    if len(schema.returns) < 2:
+        return ()
+    written = {frozenset(a.alias_info.before_set): at for at, a in enumerate(schema.arguments)
+               if a.alias_info is not None and a.alias_info.is_write}
+    found = tuple(written.get(frozenset(r.alias_info.before_set))
+                  if r.alias_info is not None and r.alias_info.is_write else None for r in schema.returns)
+    return found if any(at is not None for at in found) else ()
+
+
+def _python_written(name: str) -> tuple:
+    """The schemas of `aten.<name>`'s overloads that write an argument (a Python call of that name
+    runs one of them)."""
+    packet = getattr(torch.ops.aten, name, None) if name.isidentifier() else None
+    if not isinstance(packet, torch._ops.OpOverloadPacket):
+        return ()
+    return tuple(schema for schema in (getattr(packet, o)._schema for o in packet.overloads())
+                 if _written_arguments(schema))
+
+
+def _tensors_type(kind) -> bool:
+    """A Tensor, or a list (of lists) of them."""
+    while isinstance(kind, torch.ListType):
+        kind = kind.getElementType()
+    return isinstance(kind, torch.TensorType)
