@@ -52,7 +52,8 @@ import attrs
 import torch
 from torch import fx
 
-from .fx import COLLECTIVE_NAMESPACES, REDUCE_SCATTER_TAG
+from .fx import REDUCE_SCATTER_TAG
+from .targets import COLLECTIVE_NAMESPACES
 from ..ir import tags
 
 __all__ = ["STRUCTURAL_TAG", "StructuralGather", "StructuralReduction", "StructuralResult", "find_fsdp_gathers",
