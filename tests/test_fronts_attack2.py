@@ -19,19 +19,24 @@ from fxsched.lowering import LoweringError, lower
 from test_fronts_attack import _graph, _random_orders, _run, assert_every_legal_order_computes_the_same
 
 
-def assert_random_legal_orders_compute_the_same(gm: fx.GraphModule, inputs, count: int = 60) -> None:
-    """As `assert_every_legal_order_computes_the_same`, on `count` seeded random topological orders:
-    on a graph of twenty nodes the first few hundred orders networkx lists all keep the head."""
+def _raised_in_random_orders(program, count: int, seed: int = 0):
+    """`count` seeded random legal orders of `program`: each order, and the module raised in it."""
     from fxsched.ir.program import Schedule
     from fxsched.raising import raise_program
 
-    expected = _run(gm, inputs)
-    program = lower(gm)
-    for order in _random_orders(program, count, 0):
+    for order in _random_orders(program, count, seed):
         program.schedule = Schedule(order)
-        got = _run(raise_program(program), inputs)
+        yield order, raise_program(program)
+
+
+def assert_random_legal_orders_compute_the_same(gm: fx.GraphModule, inputs, count: int = 60, seed: int = 0) -> None:
+    """As `assert_every_legal_order_computes_the_same`, on `count` seeded random topological orders:
+    on a graph of twenty nodes the first few hundred orders networkx lists all keep the head."""
+    expected = _run(gm, inputs)
+    for order, raised in _raised_in_random_orders(lower(gm), count, seed):
+        got = _run(raised, inputs)
         assert len(got) == len(expected) and all(torch.equal(a, b) for a, b in zip(expected, got)), (
-            f"a legal order computes other numbers: {[n for n in order if not n.startswith('^')]}")
+            f"a legal order computes other numbers (seed {seed}): {[n for n in order if not n.startswith('^')]}")
 
 
 # --------------------------------------------------------------------------- set_
@@ -308,19 +313,12 @@ def test_dynamo_level_collectives_are_launches_and_waits():
 @pytest.mark.multirank
 def test_dynamo_level_collectives_in_random_legal_orders_are_bitwise_on_two_ranks():
     """Every random legal order of the dynamo-level graph computes its numbers on 2 gloo ranks."""
-    from fxsched.ir.program import Schedule
-    from fxsched.raising import raise_program
     from fxsched.runtime import run_ranks
 
     from ranks import check_bitwise, run_all
-    from test_fronts_attack import _random_orders
 
     gm = _dynamo_collectives_graph()
-    program = lower(gm)
-    jobs = [gm]
-    for order in _random_orders(program, 8, 0):
-        program.schedule = Schedule(order)
-        jobs.append(raise_program(program))
+    jobs = [gm, *(raised for _, raised in _raised_in_random_orders(lower(gm), 8))]
     torch.manual_seed(0)
     feeds = [[torch.randn(4, 4) + rank, torch.randn(2, 4) - rank] for rank in range(2)]
     results = run_ranks(run_all, 2, args=([(job, feeds) for job in jobs],), timeout=600, group_name="0")
@@ -413,11 +411,6 @@ def test_make_fx_of_c10d_calls_reads_their_results_as_the_tensors_given(fake_gro
     graph), so it computes other numbers from run to run, whatever the order."""
     from torch.fx.experimental.proxy_tensor import make_fx
 
-    from fxsched.ir.program import Schedule
-    from fxsched.raising import raise_program
-
-    from test_fronts_attack import _random_orders
-
     torch.manual_seed(0)
     inputs = [torch.randn(4), torch.randn(8), torch.randn(4), torch.randn(4)]
     gm = make_fx(_c10d_step)(*[t.clone() for t in inputs])
@@ -425,14 +418,13 @@ def test_make_fx_of_c10d_calls_reads_their_results_as_the_tensors_given(fake_gro
     assert sorted(op.target for op in program.ops() if isinstance(op, Barrier)) == [
         "c10d._allgather_base_.default", "c10d.allgather_.default", "c10d.allreduce_.default"]
 
-    def run(module):
+    def run(module):  # (not `_run`: the graph holds the process group, which cannot be deep-copied)
         with torch.no_grad():
             return module(*[t.clone() for t in inputs])
 
     expected = run(gm)
-    for order in _random_orders(program, 30, 0):
-        program.schedule = Schedule(order)
-        got = run(raise_program(program))
+    for order, raised in _raised_in_random_orders(program, 30):
+        got = run(raised)
         assert all(torch.equal(a, b) for a, b in zip(expected, got)), [n for n in order if not n.startswith("^")]
 
 
@@ -445,11 +437,6 @@ def test_a_traced_backward_and_reads_of_grad_keep_their_order():
     value, so reads of the grad crossed the backward and `g.mul_` (39 of 40 random legal orders
     computed other numbers)."""
     import copy
-
-    from fxsched.ir.program import Schedule
-    from fxsched.raising import raise_program
-
-    from test_fronts_attack import _random_orders
 
     class Step(nn.Module):
         def __init__(self):
@@ -477,9 +464,8 @@ def test_a_traced_backward_and_reads_of_grad_keep_their_order():
         return [t.detach() for t in module(x.clone())]
 
     expected = run(gm)
-    for order in _random_orders(program, 20, 0):
-        program.schedule = Schedule(order)
-        assert all(torch.equal(a, b) for a, b in zip(expected, run(raise_program(program)))), order
+    for order, raised in _raised_in_random_orders(program, 20):
+        assert all(torch.equal(a, b) for a, b in zip(expected, run(raised))), order
 
 
 def test_python_foreach_calls_write_their_lists():
@@ -557,15 +543,8 @@ def _p2p_orders(rank, world_size, count):
     """On one rank: its graph and `count` random legal orders of it, run; their outputs."""
     import torch.distributed._functional_collectives  # noqa: F401  (registers the p2p ops' fake kernels)
 
-    from fxsched.ir.program import Schedule
-    from fxsched.raising import raise_program
-
     gm = _p2p_graph(rank)
-    program = lower(gm)
-    jobs = [gm]
-    for order in _random_orders(program, count, 0):
-        program.schedule = Schedule(order)
-        jobs.append(raise_program(program))
+    jobs = [gm, *(raised for _, raised in _raised_in_random_orders(lower(gm), count))]
     return [[t.clone() for t in job(torch.arange(4.0) + 10, torch.zeros(4))] for job in jobs]
 
 
@@ -694,31 +673,33 @@ _WRITES = [lambda t: t.add_(1), lambda t: t.mul_(2), lambda t: t.zero_(), lambda
 _READS = [lambda t: t * 3, lambda t: t.sum(), lambda t: t + 1]
 
 
-def _program(seed: int):
-    """A function of two 2x2 tensors: 4 to 9 steps, each a view, an in-place write or a read of a
-    tensor picked from the inputs and the views so far; it returns the reads and both inputs."""
+def _steps(seed: int, views: list, writes: list) -> list[tuple[str, object, float]]:
+    """4 to 9 random steps, each (what, op, pick): a view, an in-place write or a read (`_READS`)
+    of the tensor `pick` chooses among the inputs and the views so far (`_run_steps`)."""
     import random
 
     rng = random.Random(seed)
     steps = []
     for _ in range(rng.randint(4, 9)):
         k = rng.random()
-        kind = (_VIEWS, _WRITES, _READS)[(k >= 0.4) + (k >= 0.7)]
-        steps.append((kind, rng.randrange(len(kind)), rng.random()))
+        what = ("view", "write", "read")[(k >= 0.4) + (k >= 0.7)]
+        ops = {"view": views, "write": writes, "read": _READS}[what]
+        steps.append((what, ops[rng.randrange(len(ops))], rng.random()))
+    return steps
 
-    def f(a, b):
-        pool, outs = [a, b], []
-        for kind, i, pick in steps:
-            t = pool[int(pick * len(pool))]
-            if kind is _VIEWS:
-                pool.append(kind[i](t))
-            elif kind is _WRITES:
-                kind[i](t)
-            else:
-                outs.append(kind[i](t))
-        return (*outs, a * 1, b * 1)
 
-    return f
+def _run_steps(steps, a, b):
+    """The program of `steps` on two tensors: it returns the reads and both inputs."""
+    pool, outs = [a, b], []
+    for what, op, pick in steps:
+        t = pool[int(pick * len(pool))]
+        if what == "view":
+            pool.append(op(t))
+        elif what == "write":
+            op(t)
+        else:
+            outs.append(op(t))
+    return (*outs, a * 1, b * 1)
 
 
 @pytest.mark.parametrize("mode, pre_dispatch", [("real", False), ("fake", False), ("real", True), ("fake", True)])
@@ -727,23 +708,12 @@ def test_random_programs_of_views_and_in_place_writes_keep_their_numbers(mode, p
     orders of each compute its outputs and final inputs bitwise. Before the fixes here, 6 of the 40
     failed in some mode (pre_dispatch real mode most: its vals say nothing; unsafe_split in every
     mode); of 150, 70 program-modes."""
-    from fxsched.ir.program import Schedule
-    from fxsched.raising import raise_program
-
-    def run(module, inputs):
-        inputs = [t.clone() for t in inputs]
-        with torch.no_grad():
-            return [t.clone() for t in module(*inputs)] + inputs
-
     inputs = [torch.randn(2, 2), torch.randn(2, 2)]
     for seed in range(40):
-        gm = make_fx(_program(seed), tracing_mode=mode, pre_dispatch=pre_dispatch)(*[t.clone() for t in inputs])
-        expected = run(gm, inputs)
-        program = lower(gm)
-        for order in _random_orders(program, 15, seed):
-            program.schedule = Schedule(order)
-            got = run(raise_program(program), inputs)
-            assert all(torch.equal(a, b) for a, b in zip(expected, got)), (seed, [n for n in order if n[0] != "^"])
+        steps = _steps(seed, _VIEWS, _WRITES)
+        gm = make_fx(lambda a, b: _run_steps(steps, a, b), tracing_mode=mode,
+                     pre_dispatch=pre_dispatch)(*[t.clone() for t in inputs])
+        assert_random_legal_orders_compute_the_same(gm, inputs, 15, seed)
 
 
 #: Python-level views (symbolic_trace records them as calls and methods), writes and reads
@@ -763,53 +733,24 @@ _PY_WRITES = [lambda t: t.add_(1), lambda t: t.mul_(2), lambda t: t.zero_(), lam
 def test_random_symbolic_traces_of_views_and_in_place_writes_keep_their_numbers():
     """60 random programs of Python-level views, in-place writes and reads, symbolic_traced (those
     that trace and run): 15 random legal orders of each compute bitwise what the trace does."""
-    import random
+    class Program(nn.Module):
+        def __init__(self, steps):
+            super().__init__()
+            self.steps = steps
 
-    from fxsched.ir.program import Schedule
-    from fxsched.raising import raise_program
-
-    def run(module, inputs):
-        inputs = [t.clone() for t in inputs]
-        with torch.no_grad():
-            return [t.clone() for t in module(*inputs)] + inputs
+        def forward(self, a, b):
+            return _run_steps(self.steps, a, b)
 
     checked = 0
     for seed in range(60):
-        rng = random.Random(seed)
-        steps = []
-        for _ in range(rng.randint(4, 9)):
-            k = rng.random()
-            kind = (_PY_VIEWS, _PY_WRITES, _READS)[(k >= 0.4) + (k >= 0.7)]
-            steps.append((kind, rng.randrange(len(kind)), rng.random()))
-
-        class Program(nn.Module):
-            def __init__(self, steps):
-                super().__init__()
-                self.steps = steps
-
-            def forward(self, a, b):
-                pool, outs = [a, b], []
-                for kind, i, pick in self.steps:
-                    t = pool[int(pick * len(pool))]
-                    if kind is _PY_VIEWS:
-                        pool.append(kind[i](t))
-                    elif kind is _PY_WRITES:
-                        kind[i](t)
-                    else:
-                        outs.append(kind[i](t))
-                return (*outs, a * 1, b * 1)
-
-        inputs = [torch.randn(2, 2, generator=torch.Generator().manual_seed(seed)), torch.randn(2, 2)]
+        numbers = torch.Generator().manual_seed(seed)
+        inputs = [torch.randn(2, 2, generator=numbers), torch.randn(2, 2, generator=numbers)]
         try:
-            gm = fx.symbolic_trace(Program(steps))
-            expected = run(gm, inputs)
+            gm = fx.symbolic_trace(Program(_steps(seed, _PY_VIEWS, _PY_WRITES)))
+            _run(gm, inputs)
         except Exception:  # a program that does not trace or run (a shape that does not fit)
             continue
-        program = lower(gm)
-        for order in _random_orders(program, 15, seed):
-            program.schedule = Schedule(order)
-            got = run(raise_program(program), inputs)
-            assert all(torch.equal(a, b) for a, b in zip(expected, got)), (seed, gm.code)
+        assert_random_legal_orders_compute_the_same(gm, inputs, 15, seed)
         checked += 1
     assert checked >= 40
 
