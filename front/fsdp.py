@@ -284,10 +284,14 @@ def _trace(module, loss_fn, plan: _Plan, example_inputs) -> tuple[fx.GraphModule
         def realize(name: str) -> torch.Tensor:
             if name not in gathered:
                 bucket = bucket_of.get(name)
-                if bucket is None:
-                    gathered[name] = plan.gather_param(shards[name], name)
-                else:
-                    gathered.update(plan.gather_bucket(shards, bucket))
+                # A parameter read first under the forward's torch.no_grad() (an in-place
+                # clamp_ of it) is still a leaf that requires grad: its gather must be recorded
+                # by autograd, or every later use of it gets no gradient (zeros).
+                with torch.enable_grad():
+                    if bucket is None:
+                        gathered[name] = plan.gather_param(shards[name], name)
+                    else:
+                        gathered.update(plan.gather_bucket(shards, bucket))
             return gathered[name]
 
         if plan.compute_dtype is not None:
@@ -317,7 +321,8 @@ def _trace(module, loss_fn, plan: _Plan, example_inputs) -> tuple[fx.GraphModule
 
 
 def _alias_sources(node: fx.Node) -> list[fx.Node]:
-    """The inputs of ``node`` whose storage its output shares."""
+    """The inputs of ``node`` whose storage its output shares (an in-place op's result is the
+    tensor it wrote: make_fx reads later uses of that tensor through the in-place node)."""
     if node.op != "call_function":
         return []
     target = node.target
@@ -333,7 +338,7 @@ def _alias_sources(node: fx.Node) -> list[fx.Node]:
     sets = {
         s
         for r in schema.returns
-        if r.alias_info is not None and not r.alias_info.is_write
+        if r.alias_info is not None
         for s in r.alias_info.before_set
     }
     if not sets:
@@ -504,12 +509,13 @@ def _reshard(gm: fx.GraphModule, gathers: list[_Gather], inserted: list[fx.Node]
         with graph.inserting_after(last_free.get(reader, reader)):
             last_free[reader] = new_node(fsdp_free_storage, args, meta=meta)
 
-    for g in gathers:
-        # Forward aliases of each parameter's unsharded storage (backward views of them
-        # are backward readers, rewired below).
-        closures = {
-            name: _alias_closure(root, stop=_is_backward) for name, root in g.roots.items()
-        }
+    # Forward aliases of each parameter's unsharded storage (backward views of them are
+    # backward readers, rewired below), through in-place results too.
+    all_closures = [
+        {name: _alias_closure(root, stop=_is_backward) for name, root in g.roots.items()} for g in gathers
+    ]
+    gathered = {n for closures in all_closures for closure in closures.values() for n in closure}
+    for g, closures in zip(gathers, all_closures):
         for name, closure in closures.items():
             readers = set(closure)
             readers.update(u for n in closure for u in n.users if not _is_backward(u))
@@ -527,16 +533,19 @@ def _reshard(gm: fx.GraphModule, gathers: list[_Gather], inserted: list[fx.Node]
         with graph.inserting_before(first):
             new_roots = _regather(g, needed, new_node)
             for name in needed:
-                # Rebuild from the new root the alias chains leading to what the backward reads.
+                # Rebuild from the new root the alias chains leading to what the backward
+                # reads, and replay every forward in-place write of the storage (the backward
+                # reads what the forward left there, as it would without the reshard).
                 members = set(closures[name])
+                writers = _forward_writers(closures[name], members, gathered, name)
                 wanted: set[fx.Node] = set()
-                stack = [src for _, src in backward_uses[name]]
+                stack = [src for _, src in backward_uses[name]] + writers
                 while stack:
                     n = stack.pop()
                     if n not in wanted:
                         wanted.add(n)
                         if n is not g.roots[name]:
-                            stack.extend(s for s in _alias_sources(n) if s in members)
+                            stack.extend(a for a in n.all_input_nodes if a in members)
                 replica = {g.roots[name]: new_roots[name]}
                 for node in sorted(wanted - {g.roots[name]}, key=order.__getitem__):
                     replica[node] = new_node(
@@ -554,6 +563,45 @@ def _reshard(gm: fx.GraphModule, gathers: list[_Gather], inserted: list[fx.Node]
             readers.update(u for n in closure for u in n.users)
             last = _after_outputs(max(readers, key=lambda n: order.get(n, -1)), order)
             free_after(last, [new_roots[name]], _free_meta(tags.RESHARD_FREE_BACKWARD, name, g, True))
+
+
+def _writes(node: fx.Node) -> list[fx.Node]:
+    """The nodes ``node`` writes in place: its schema's ``Tensor(a!)`` arguments (lists too)."""
+    if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
+        return []
+    out: list[fx.Node] = []
+    for i, arg in enumerate(node.target._schema.arguments):
+        if arg.alias_info is None or not arg.alias_info.is_write:
+            continue
+        value = node.args[i] if i < len(node.args) else node.kwargs.get(arg.name)
+        fx.map_arg(value, out.append)
+    return out
+
+
+def _forward_writers(closure: list[fx.Node], members: set[fx.Node], gathered: set[fx.Node], name: str) -> list[fx.Node]:
+    """The forward ops that write parameter ``name``'s gathered storage (``members``), to be
+    replayed on its backward re-gather; a ValueError for one that cannot be replayed there."""
+    writers = list(dict.fromkeys(  # in a fixed order, so the first refused is always the same
+        u for n in closure for u in n.users
+        if not _is_backward(u) and any(w in members for w in _writes(u))
+    ))
+    for w in writers:
+        why = None
+        if torch.Tag.nondeterministic_seeded in w.target.tags:
+            why = "it is random (a replay draws other numbers)"
+        elif w.target.namespace in ("_c10d_functional", "c10d", "c10d_functional"):
+            why = "it is a collective"
+        else:
+            others = [a.name for a in w.all_input_nodes if a in gathered and a not in members]
+            if others:
+                why = f"it reads {others}, another parameter's gathered storage, freed by then"
+        if why:
+            raise ValueError(
+                f"%{w.name} ({w.target}) writes parameter {name!r}'s gathered storage in the forward, "
+                f"which the backward reads: resharding would re-gather it and replay the write, but {why}; "
+                "use reshard_after_forward=False"
+            )
+    return writers
 
 
 def _phase_copy(meta: dict) -> dict:
@@ -661,6 +709,8 @@ def fsdp_joint_graph(
     parameter), ``"per-module"`` (parameters owned directly by the same submodule) or a list
     of lists of parameter names (parameters not listed are gathered alone). Module buffers
     become graph constants. Each parameter is gathered at its first read in the forward.
+    A forward that writes a parameter in place writes its gathered copy, never the shard; the
+    backward re-gather replays such writes (a ValueError names one it cannot replay).
 
     Tags (``node.meta``), beyond that contract:
 

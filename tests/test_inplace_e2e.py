@@ -17,6 +17,7 @@ from torch import fx, nn
 
 import fxsched
 from fxsched.front import fsdp_joint_graph
+from fxsched.front.fsdp import fsdp_free_storage
 from fxsched.ir import Barrier, verify
 from fxsched.models import build_model
 from fxsched.models import llama as llama_module
@@ -185,3 +186,138 @@ def test_scheduled_inplace_graphs_are_bitwise_equal_on_two_ranks(cases):
                 assert torch.equal(a, b), f"{name}, {label}, rank {rank}: differs from the unscheduled graph"
 
 
+
+
+# --------------------------------------------------------------------------- the front: a parameter written in the forward
+
+
+class _WritesItsWeight(nn.Module):
+    """Three layers; the forward writes l2's weight in place (`write`) between l1 and l2, so the
+    backward (l1's gradients) reads the written l2 weight."""
+
+    def __init__(self, write: str):
+        super().__init__()
+        self.l1, self.l2, self.l3 = nn.Linear(4, 8), nn.Linear(8, 8), nn.Linear(8, 3)
+        self.write = write
+
+    def forward(self, x):
+        h = torch.tanh(self.l1(x))
+        if self.write == "mul_ (grad mode)":  # eager refuses it on a leaf; the front's gathered copy is not one
+            self.l2.weight.mul_(0.5)
+        else:
+            with torch.no_grad():
+                if self.write == "clamp_":
+                    self.l2.weight.clamp_(-0.2, 0.2)
+                elif self.write == "mul_":
+                    self.l2.weight.mul_(0.5)
+                elif self.write == "row zero_":  # through a view: later uses read the weight itself
+                    self.l2.weight[0].zero_()
+        return self.l3(torch.tanh(self.l2(h)))
+
+
+_PARAM_WRITES = ["clamp_", "mul_", "row zero_", "mul_ (grad mode)"]
+_FRONT_PIPELINES = {"reference": REFERENCE_PIPELINE, "default": DEFAULT_PIPELINE, "rewrite": "default,unshard,bucket",
+                    "default,unshard": "default,unshard", "default,bucket": "default,bucket"}
+
+
+def _param_write_case(write: str, **options):
+    torch.manual_seed(7)
+    module = _WritesItsWeight(write)
+    inputs = (torch.randn(5, 4),)
+    front = fsdp_joint_graph(module, inputs, lambda m, x: m(x).square().sum(), WORLD, **options)
+    return module, inputs, front
+
+
+def _eager(module, data):
+    """Eager torch on one process, each rank's data on its own copy of the module (the write
+    changes the parameter): each rank's loss, and the gradients summed over ranks."""
+    import copy
+
+    losses, grads = [], {}
+    for rank_inputs in data:
+        m = copy.deepcopy(module)
+        loss = m(*rank_inputs).square().sum()
+        loss.backward()
+        losses.append(loss.detach())
+        for name, p in m.named_parameters():
+            grads[name] = grads[name] + p.grad if name in grads else p.grad.clone()
+    return losses, grads
+
+
+def test_a_parameter_written_in_place_in_the_forward_traces_schedules_and_matches_eager_on_two_ranks():
+    """fsdp_joint_graph of a model that writes a parameter in place in its forward (`clamp_` or
+    `mul_` under no_grad, a write through a view of it, `mul_` in grad mode): the free of the
+    gathered buffer follows every use through the in-place results (it preceded the use of
+    `clamp_`'s result: lowering refused the graph, use after free), and the backward re-gather
+    replays the forward's writes, so the resharded graph computes what the unresharded one does
+    (without the replay of `row zero_`, which no later use reads through, l1's gradients differ).
+    Every pipeline, with and without per-module buckets, is bitwise the unscheduled graph on 2
+    gloo ranks; the loss and gradients are eager torch's, bitwise (the gradient of a parameter
+    written under no_grad is the gradient at the written value, as eager's; without the front's
+    gather under enable_grad, a parameter first read under no_grad got a zero gradient)."""
+    from ranks import rank_data, rank_feeds
+
+    jobs, labels, eager = [], [], {}
+    for write in _PARAM_WRITES:
+        for options in ({}, {"buckets": "per-module"}, {"reshard_after_forward": False}):
+            module, inputs, front = _param_write_case(write, **options)
+            key = (write, tuple(options.items()))
+            feeds = rank_feeds(front, module, inputs)
+            jobs.append((front.gm, feeds))
+            labels.append((key, "unscheduled"))
+            if "reshard_after_forward" in options:
+                continue
+            assert any(n.target is fsdp_free_storage for n in front.gm.graph.nodes)
+            for label, pipeline in _FRONT_PIPELINES.items():
+                done = fxsched.schedule(front.gm, pipeline)
+                verify(done.program)
+                jobs.append((done.graph_module, feeds))
+                labels.append((key, label))
+        if write != "mul_ (grad mode)":
+            eager[write] = (front, _eager(module, rank_data(inputs, WORLD)))
+    results = run_ranks(run_all, WORLD, args=(jobs,), timeout=600)
+    for rank in range(WORLD):
+        unscheduled = {}
+        for (key, label), out in zip(labels, results[rank]):
+            if label == "unscheduled":
+                unscheduled[key] = out
+                continue
+            for i, (a, b) in enumerate(zip(out, unscheduled[key], strict=True)):
+                assert torch.equal(a, b), f"{key}, {label}, rank {rank}: output {i} differs from the unscheduled graph"
+        for write in _PARAM_WRITES:
+            # resharding (re-gather, replayed writes) and buckets compute what keeping the buffer does
+            kept = unscheduled[(write, (("reshard_after_forward", False),))]
+            for options in ((), (("buckets", "per-module"),)):
+                for i, (a, b) in enumerate(zip(unscheduled[(write, options)], kept, strict=True)):
+                    assert torch.equal(a, b), f"{write} {options}, rank {rank}: output {i} differs without the reshard"
+    for write, (front, (losses, grads)) in eager.items():
+        at = labels.index(((write, ()), "unscheduled"))
+        outs = [results[r][at] for r in range(WORLD)]
+        for rank in range(WORLD):
+            assert torch.equal(outs[rank][0], losses[rank]), f"{write}, rank {rank}: the loss is not eager's"
+        for name, grad in front.unshard_grads(outs).items():
+            assert grad.abs().sum() > 0, f"{write}: {name} gets no gradient"
+            assert torch.equal(grad, grads[name]), f"{write}: {name}'s gradient is not eager's"
+    assert not torch.equal(results[0][0][0], results[1][0][0])  # the ranks saw different data
+
+
+def test_a_forward_write_of_a_parameter_that_cannot_be_replayed_is_refused_by_the_front():
+    """A random in-place write of a parameter in the forward (`uniform_`), read by the backward:
+    a replay after the re-gather would draw other numbers, so the front names the op and the way
+    out (reshard_after_forward=False), which traces."""
+    class Redraws(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.l1, self.l2 = nn.Linear(4, 8), nn.Linear(8, 3)
+
+        def forward(self, x):
+            h = torch.tanh(self.l1(x))
+            with torch.no_grad():
+                self.l2.weight.uniform_(-0.1, 0.1)
+            return self.l2(h)
+
+    loss = lambda m, x: m(x).square().sum()  # noqa: E731
+    with pytest.raises(ValueError, match=r"%uniform_ \(aten.uniform_.default\) writes parameter 'l2.weight'"
+                                         r"'s gathered storage .* it is random .*reshard_after_forward=False"):
+        fsdp_joint_graph(Redraws(), (torch.randn(5, 4),), loss, WORLD)
+    fsdp_joint_graph(Redraws(), (torch.randn(5, 4),), loss, WORLD, reshard_after_forward=False)
