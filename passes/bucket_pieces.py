@@ -1,6 +1,6 @@
 """bucket_pieces: stretches of the schedule as max-plus maps, for the bucket pass's quick trials.
 
-passes/bucket_trials.py's quick trials jump each stretch of the program between two of a trial's
+passes/bucket_sweep.py's quick trials jump each stretch of the program between two of a trial's
 own changes at once: what `Clock.step`'s rules do over it, as maps of the state before it (the
 compute time t -> max(t + a, b); the one stream it launches on, and each launch's end, as
 max(t + alpha, stream + beta, gamma)). This file holds those maps (`_Piece`), the scan that makes

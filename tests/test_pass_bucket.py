@@ -23,7 +23,7 @@ import fxsched
 from fxsched.cost.simulate import simulate
 from fxsched.front import fsdp_joint_graph
 from fxsched.front.generate import generate_graph, min_nodes
-from fxsched.ir import CopyOut, Launch, Role, verify
+from fxsched.ir import CopyOut, Launch, verify
 from fxsched.ir.errors import ConfigError
 from fxsched.lowering import lower
 from fxsched.models import MODELS, build_model
@@ -370,11 +370,11 @@ def test_trials_sharing_one_base_run_give_what_sweep_trial_gives(layers, buckets
     trial's last touched op, the rest read off the tails) is within a tenth of NEAR_MS of it, and
     its in-flight figure is no lower."""
     from fxsched.cost.simulate import Sweep
-    from fxsched.passes import bucket_trials
+    from fxsched.passes import bucket_sweep, bucket_trials
 
     answers, quick = [], []
 
-    class Both(bucket_trials._SharedBaseSweep):
+    class Both(bucket_sweep._SharedBaseSweep):
         def __init__(self, order, steps):
             super().__init__(order, steps)
             self.plain = Sweep(order, steps)
@@ -491,7 +491,8 @@ def test_quick_trials_step_as_the_exact_sweep_on_random_schedules(data):
     before and after a change is made (and through its changes), several from one first slot
     (as a bucket grows)."""
     from fxsched.cost.simulate import Sweep
-    from fxsched.passes.bucket_trials import NEAR_MS, _SharedBaseSweep
+    from fxsched.passes.bucket_sweep import _SharedBaseSweep
+    from fxsched.passes.bucket_trials import NEAR_MS
     order, steps = _random_steps(data)
     fast, plain = _SharedBaseSweep(order, steps), Sweep(order, steps)
     lo, compared, made = 0, 0, set()
@@ -524,7 +525,7 @@ def test_a_quick_trials_launch_run_stops_at_its_own_skipped_launch():
     trial of the second and the fourth: the run of launches stepped at once before the fourth
     stops there (it is skipped), though the next change the sweep made is further on."""
     from fxsched.cost.simulate import LAUNCH, OTHER, WAIT, Sweep
-    from fxsched.passes.bucket_trials import _SharedBaseSweep
+    from fxsched.passes.bucket_sweep import _SharedBaseSweep
     order = ["a", "b", "c", "d", "wa", "wb", "wc", "wd", "x"]
     steps = {n: (LAUNCH, 1.0, "comm:0", 0) for n in "abcd"}
     steps.update({f"w{n}": (WAIT, 0.0, None, n) for n in "abcd"})
@@ -544,7 +545,7 @@ def test_a_quick_trials_jump_launches_after_a_wait_on_what_was_in_flight():
     and then launches on another stream: that launch starts when the wait ends (not when the
     stretch starts), and its end, read off the tails after the trial, decides the step."""
     from fxsched.cost.simulate import LAUNCH, OTHER, WAIT, Sweep
-    from fxsched.passes.bucket_trials import _SharedBaseSweep
+    from fxsched.passes.bucket_sweep import _SharedBaseSweep
     order = ["a", "m", "wa", "c", "wm", "x1", "wc", "y"]
     steps = {"a": (LAUNCH, 5.0, "comm:0", 0), "m": (LAUNCH, 1.0, "comm:0", 0), "wa": (WAIT, 0.0, None, "a"),
              "c": (LAUNCH, 1.0, "comm:1", 0), "wm": (WAIT, 0.0, None, "m"), "x1": (OTHER, 0.0, None, None),
@@ -563,12 +564,12 @@ def test_a_piece_gone_on_from_a_kept_scan_is_the_piece_scanned_afresh(seed):
     them far later: bucket after bucket asks for a longer piece from one slot): every piece
     the pass asks for is, field by field and float for float, the piece scanned from its
     first slot afresh; and pieces do go on from kept scans, across makes."""
-    from fxsched.passes import bucket_trials
+    from fxsched.passes import bucket_pieces, bucket_sweep, bucket_trials
 
     counts = {"resumed": 0, "resumed after a make": 0, "pieces": 0}
     bad = []
 
-    class Checked(bucket_trials._SharedBaseSweep):
+    class Checked(bucket_sweep._SharedBaseSweep):
         def _piece(self, lo, hi):
             old = self.scans.get(lo)
             if old is not None and old.hi <= hi:
@@ -579,9 +580,9 @@ def test_a_piece_gone_on_from_a_kept_scan_is_the_piece_scanned_afresh(seed):
                     counts["resumed"] += 1
                     counts["resumed after a make"] += seen < len(self.makes)
             got = super()._piece(lo, hi)
-            fresh = bucket_trials._Scan(lo, len(self.makes))
+            fresh = bucket_pieces._Scan(lo, len(self.makes))
             self._scan(fresh, hi)
-            want = False if fresh.false else bucket_trials._Piece(
+            want = False if fresh.false else bucket_pieces._Piece(
                 fresh.a, fresh.b, tuple(fresh.waited), fresh.stream, fresh.fa, fresh.fb, fresh.fc,
                 dict(fresh.launches), tuple(fresh.tails), fresh.high, fresh.rise)
             counts["pieces"] += 1
@@ -603,7 +604,7 @@ def test_a_make_inside_a_kept_scan_has_the_piece_scanned_again():
     afresh (the skipped op's time gone), not gone on from the kept scan; one made after it
     leaves it kept."""
     from fxsched.cost.simulate import LAUNCH, OTHER, WAIT
-    from fxsched.passes.bucket_trials import _SharedBaseSweep
+    from fxsched.passes.bucket_sweep import _SharedBaseSweep
     order = ["a", "x0", "x1", "wa", "x2", "x3", "x4", "x5"]
     steps = {"a": (LAUNCH, 5.0, "comm:0", 0), "wa": (WAIT, 0.0, None, "a")}
     steps.update({f"x{i}": (OTHER, 1.0 + i, None, None) for i in range(6)})
@@ -625,7 +626,7 @@ def test_a_bucket_growing_a_member_at_a_time_jumps_the_chain_its_last_trial_kept
     trial's figures are those of the same trials without them (each stretch jumped on its own)
     up to rounding (1e-9 ms; NEAR_MS, where the exact sweep decides, is 1e-6), the in-flight
     bound exactly; and so the same buckets."""
-    from fxsched.passes import bucket_trials
+    from fxsched.passes import bucket_sweep, bucket_trials
 
     class Counting(dict):
         hits = 0
@@ -642,13 +643,13 @@ def test_a_bucket_growing_a_member_at_a_time_jumps_the_chain_its_last_trial_kept
     def run(chains):
         answers = []
 
-        class Recording(bucket_trials._SharedBaseSweep):
+        class Recording(bucket_sweep._SharedBaseSweep):
             def quick(self, at, end, skip, before):
                 got = super().quick(at, end, skip, before)
                 answers.append(got)
                 return got
 
-        class Walk(bucket_trials._Walk):
+        class Walk(bucket_sweep._Walk):
             __slots__ = ()
 
             def __init__(self, *args):
@@ -658,7 +659,7 @@ def test_a_bucket_growing_a_member_at_a_time_jumps_the_chain_its_last_trial_kept
         program = lower(generate_graph(4000, seed=0))
         with pytest.MonkeyPatch.context() as patch:
             patch.setattr(bucket_trials, "_SharedBaseSweep", Recording)
-            patch.setattr(bucket_trials, "_Walk", Walk)
+            patch.setattr(bucket_sweep, "_Walk", Walk)
             result = PassManager("default,bucket").run(program)
         return answers, result.results[-1][1].stats["bought"]
 
@@ -682,7 +683,8 @@ def test_a_composed_chain_jumps_as_its_pieces_jumped_in_turn(data):
     import math
 
     from fxsched.cost.simulate import Clock
-    from fxsched.passes.bucket_trials import _compose, _Piece, _Walk
+    from fxsched.passes.bucket_pieces import _compose, _Piece
+    from fxsched.passes.bucket_sweep import _Walk
 
     ninf = -math.inf
     time_ = st.floats(0.0, 10.0)
@@ -747,21 +749,21 @@ def test_pieces_made_from_each_launch_to_one_slot_are_the_pieces_scanned(seed):
     where asked, through `_Launches`); and the pass does make them on a generated graph."""
     import math
 
-    from fxsched.passes import bucket_trials
+    from fxsched.passes import bucket_pieces, bucket_sweep, bucket_trials
 
     made, bad = [], []
 
     def close(x, y):
         return x == y or (math.isfinite(x) and math.isfinite(y) and abs(x - y) <= 1e-9)
 
-    class Checked(bucket_trials._SharedBaseSweep):
+    class Checked(bucket_sweep._SharedBaseSweep):
         def _suffixes(self, qb, lo, hi):
             super()._suffixes(qb, lo, hi)
             for (s, h), got in list(qb.pieces.items()):
                 if h != hi or s < lo:
                     continue
                 made.append((s, h))
-                fresh = bucket_trials._Scan(s, len(self.makes))
+                fresh = bucket_pieces._Scan(s, len(self.makes))
                 self._scan(fresh, h)
                 if fresh.false or got is False:
                     if not (fresh.false and got is False):
