@@ -259,6 +259,11 @@ class _Lowering:
             self.returns[key] = [at for at, name in enumerate(inputs) if name in returned]
         return self.returns[key]
 
+    def viewed(self, node: fx.Node, info: _Target) -> tuple[str, ...]:
+        """The operands a custom op's result views by its schema (`info.viewed`), in its order."""
+        names = [n.name for at in info.viewed for n in _node_operands(self.argument(node, info.schema, at))]
+        return tuple(dict.fromkeys(names))
+
     @staticmethod
     def argument(node: fx.Node, schema, at: int):
         """The value the call passes for the schema's argument at position `at`."""
@@ -537,11 +542,19 @@ class _Lowering:
             self.notes.append(f"%{node.name}: comm_type={comm_type!r} on {target}, not a collective: ignored")
         if info.clone and meta.get(tags.BUCKET_COPY_OUT) is not None:
             return CopyOut.make(name, operands, phase, types, target=target, bucket=str(meta[tags.BUCKET_COPY_OUT]))
+        sources = self.viewed(node, info) if info.viewed else ()
+        if len(sources) > 1:
+            self.several.append((name, sources))
         if info.view:
             if self.results and node.target is operator.getitem:
                 self.result_item(node)
             if info.several and len(operands) > 1:
                 self.several.append((name, operands))
+            if sources and sources[0] != operands[0]:
+                # a view of another argument than the first (a custom op's): a View's source is its
+                # first operand, and raising relinks operands in their order, so its result aliases it
+                return Compute.make(name, operands, phase, types, target=target, heavy=info.heavy,
+                                    attention=info.attention, alias=sources[0])
             return self.view(node, info, base)
         if (kind == "call_function" and node.target is getattr and len(node.args) == 2
                 and isinstance(node.args[0], fx.Node) and node.args[1] not in _PLAIN_ATTRIBUTES):
@@ -583,7 +596,7 @@ class _Lowering:
         if unknown and writes:
             self.notes.append(f"%{node.name}: {target} is a call fxsched cannot see into: taken to write "
                               f"{', '.join('%' + w for w in writes)}")
-        alias = self.shared(node) or alias
+        alias = self.shared(node) or alias or (sources[0] if sources else None)
         if (alias is None and kind == "call_module" and self.storage(node) is None and node.args
                 and isinstance(node.args[0], fx.Node)
                 and isinstance(self.gm.get_submodule(node.target), _MODULES_RETURNING_INPUT)):
@@ -826,7 +839,8 @@ def _check_several_sources(ops: list[Op], several: list[tuple[str, tuple[str, ..
                 raise LoweringError(
                     f"%{name} may return views of each of {['%' + o for o in operands]}, and %{writers[root]} "
                     f"writes the storage of %{operand}: fxsched orders a view with one source's writes, not "
-                    "several; decompose it first (make_fx without pre_dispatch gives expand/view ops)")
+                    "several; decompose it first (make_fx without pre_dispatch gives broadcast_tensors' and "
+                    "meshgrid's expand/view ops)")
 
 
 def _module_state_barriers(ops: list[Op], lowering: _Lowering) -> None:

@@ -111,6 +111,7 @@ class _Target(NamedTuple):
     several: bool  # may return views of each of several tensors it is given (`_SEVERAL`)
     python_written: tuple  # a Python call's: the schemas of aten's overloads of its name that write
     returned: tuple[int | None, ...]  # per element of a tuple result, the argument it is (`_returned`), or ()
+    viewed: tuple[int, ...]  # positions of the arguments the result views by schema, if not the first alone (`_viewed`)
 
 
 def _composite(schema) -> bool:
@@ -402,7 +403,29 @@ def _classify(op: str, target) -> _Target:
         group_size_at=len(arguments) - 1 - arguments[::-1].index("group_size") if "group_size" in arguments else None,
         reduce_op_at=arguments.index("reduce_op") if "reduce_op" in arguments else None,
         returned=_returned(schema) if schema is not None else (),
+        viewed=_viewed(schema) if schema is not None else (),
     )
+
+
+def _viewed(schema) -> tuple[int, ...]:
+    """The positions of the arguments whose storage the result shares by a read-only alias
+    annotation (`Tensor(a) y -> Tensor(a)`), when that is not the first argument alone: a custom
+    op (`torch.library.define`) may return a view of its second argument, or views of several
+    (`(Tensor(a) x, Tensor(b) y) -> (Tensor(a), Tensor(b))`, `(Tensor(a)[] xs) -> Tensor(a)[]`).
+    () for every aten view, whose result views its first argument."""
+    aliased = [r.alias_info for r in schema.returns if r.alias_info is not None and not r.alias_info.is_write]
+    sets = {s for info in aliased for s in info.before_set}
+    # a list's elements' alias set (`Tensor(a)[]`) is not in Python's schema: an empty one stands for it
+    contained = any(not info.before_set for info in aliased)
+    found = tuple(at for at, a in enumerate(schema.arguments)
+                  if a.alias_info is not None and not a.alias_info.is_write
+                  and (sets & set(a.alias_info.before_set)
+                       or (contained and not a.alias_info.before_set and isinstance(a.type, torch.ListType))))
+    if not found:
+        return ()
+    if found == (0,) and not isinstance(schema.arguments[0].type, torch.ListType):
+        return ()
+    return found
 
 
 def _returned(schema) -> tuple[int | None, ...]:
