@@ -670,9 +670,12 @@ class _Lowering:
             if source not in self.launches:
                 self.notes.append(f"%{node.name}: wait on {['%' + n.name for n in node.all_input_nodes]}, not on a "
                                   "launch: kept in place, in order with every group's collectives")
-                # it completes whatever its operand's collective writes: take it to write its operand
+                # it completes whatever its operand's collective writes: take it to write its operand;
+                # and it returns its operand (wait_tensor returns the tensor it is given, whose
+                # schema says fresh): a write through either is ordered with reads of the other
                 return Opaque.make(name, operands, phase, types, target=target, reason=WAIT_ON_NO_LAUNCH,
-                                   writes=tuple(n.name for n in node.all_input_nodes))
+                                   writes=tuple(n.name for n in node.all_input_nodes),
+                                   alias=operands[0] if len(operands) == 1 else None)
             # a wait completes its launch's write: it writes (and returns) the launch's result too
             launch_writes = self.launch_writes.get(source, ())
             return Wait.make(name, operands, phase, types, target=target, writes=(source,) if launch_writes else (),
@@ -682,7 +685,7 @@ class _Lowering:
                       else "collective not waited exactly once")
             self.notes.append(f"%{node.name}: {target}: {reason}: kept in place, in order with group {group!r}")
             return Opaque.make(name, operands, phase, types, target=target, group=group,
-                               group_size=_group_size(node, info), reason=reason, writes=writes)
+                               group_size=_group_size(node, info), reason=reason, writes=writes, alias=alias)
         if comm_type in GATHER_TAGS:
             self.notes.append(f"%{node.name}: comm_type={comm_type!r} on {target}: not a gather, kept in order")
         role = Role.REDUCE_SCATTER if comm_type == REDUCE_SCATTER_TAG else None
