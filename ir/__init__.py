@@ -1,6 +1,7 @@
 """The IR: op kinds, programs (graph + schedule), effect rules, verifier and text form."""
 
-from .effects import BACKWARD, ENTRY, EffectError, derive_effects, storage_readers, storage_root
+from .effects import (BACKWARD, ENTRY, EffectError, derive_effects, maybe_storages, storage_candidates, storage_readers,
+                      storage_root)
 from .ops import (OP_KINDS, Barrier, Cast, Compute, Constant, CopyOut, Free, Input,
                   Launch, Marker, Op, Opaque, Output, Phase, Role, TensorType, View, Wait, irop)
 from .ops import DTYPE_BYTES
@@ -13,6 +14,7 @@ __all__ = [
     "BACKWARD", "DATA", "EffectError", "EFFECT", "ENTRY", "OP_KINDS", "Barrier", "Cast",
     "Compute", "Constant", "CopyOut", "Free", "Input", "Launch", "Marker", "Op", "Opaque", "Output", "ParseError",
     "Phase", "Program", "Role", "Schedule", "TensorType", "DTYPE_BYTES", "VerifyError", "View", "Wait", "derive_effects",
-    "irop", "parse_program", "print_op", "print_program", "storage_readers", "storage_root",
+    "irop", "maybe_storages", "parse_program", "print_op", "print_program", "storage_candidates", "storage_readers",
+    "storage_root",
     "verify", "verify_moves", "result_views", "waits_of",
 ]

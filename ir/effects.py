@@ -7,7 +7,13 @@ Each op has effects on resources, as MLIR's memory effects:
   fresh one. Rules: `storage` — two ops that touch one storage, at least one of them writing
   it, keep their order; `free` — every access of a storage precedes its free (an access after
   the free is an error: the input graph uses freed memory; through a `maybe` view it is only a
-  note, that view may be a copy). Edges run from the last writer and from the readers since,
+  note, that view may be a copy). A result whose op has `may_alias` (a call fxsched cannot see
+  into, with no `meta["val"]`: it may return one of those operands or a view of one) owns a fresh
+  storage and may be each of theirs (`maybe_storages`, transitively): every access of it counts
+  as an access of each of them too (a write or free of it as a write of them), and one after a
+  free of theirs is a note, not an error (it may be fresh). Such accesses are added to the walk
+  as numbers past the nodes' (`_maybe_accesses`); with no `may_alias` in the program nothing is
+  added. Edges run from the last writer and from the readers since,
   so a storage costs its accesses, not their square. A collective reads its inputs until its
   wait (the launch is asynchronous), so a wait reads its launch's operands too (a wait on an
   opaque collective's result, its collective's): their next write or free follows the wait, not
@@ -75,6 +81,40 @@ def storage_roots(program: Program) -> dict[str, tuple[str, str | None]]:
             root, via = roots[_source(op)]
             roots[name] = (root, via or (name if isinstance(op, View) and op.maybe else None))
     return roots
+
+
+def maybe_storages(program: Program, roots: dict[str, tuple[str, str | None]] | None = None) -> dict[str, tuple[str, ...]]:
+    """Per storage (its root's name) whose op has `may_alias`: every other storage it may be
+    (its candidates' roots, theirs, and so on), sorted. Empty where no op has `may_alias`: the
+    common case costs one walk over the ops. `roots`: `storage_roots(program)`, when at hand."""
+    node = program.graph._node
+    direct = [(name, data["op"].may_alias) for name, data in node.items() if data["op"].may_alias]
+    if not direct:
+        return {}
+    if roots is None:
+        roots = storage_roots(program)
+    return _closure([(name, [roots[c][0] for c in may if c in roots]) for name, may in direct
+                     if roots[name][0] == name])  # (a View or an alias with may_alias: verify refuses it)
+
+
+def storage_candidates(program: Program, name: str, cache: dict[str, str] | None = None) -> tuple[str, ...]:
+    """The storages `name` may be: its root's, then (where an op on the way has `may_alias`)
+    each other one it may be (`maybe_storages`), found by walking the candidates: O(their count)."""
+    root = storage_root(program, name, cache)
+    node = program.graph._node
+    if not node[root]["op"].may_alias:
+        return (root,)
+    found, stack = [root], [root]
+    while stack:
+        for candidate in node[stack.pop()]["op"].may_alias:
+            if candidate not in node:
+                continue
+            other = storage_root(program, candidate, cache)
+            if other not in found:
+                found.append(other)
+                if node[other]["op"].may_alias:
+                    stack.append(other)
+    return tuple(found)
 
 
 def storage_root(program: Program, name: str, cache: dict[str, str] | None = None) -> str:
@@ -319,15 +359,17 @@ def _of(kinds: list[type], present: set[type], classes: tuple[type, ...]):
 
 
 def _roots_in_order(program: Program, g: _Numbered, seq: list[int],
-                    ops: list[Op]) -> tuple[list[int | None], list[int | None]]:
+                    ops: list[Op]) -> tuple[list[int | None], list[int | None], dict[int, tuple[int, ...]]]:
     """`storage_roots` by number (per node, its root's number, and the first `maybe` view's on
     the way or None), in one walk down the order when every view's (and alias's) source comes
     before it, as in a lowered graph; otherwise (hand-written text may refer forward) from
-    `storage_roots` itself."""
+    `storage_roots` itself. Also `maybe_storages` by number: a root whose op has `may_alias` ->
+    the other storages it may be (empty, and nothing more walked, where no op has any)."""
     size = len(g.names)
     root: list[int | None] = [None] * size
     via: list[int | None] = [None] * size
     operands = g.operands
+    maybe: list[tuple[int, Op]] = []
     for k, op in zip(seq, ops):
         if isinstance(op, View):
             source = operands[k][0] if op.operands else None
@@ -337,6 +379,8 @@ def _roots_in_order(program: Program, g: _Numbered, seq: list[int],
             source = None
         if source is None:
             root[k] = k
+            if op.may_alias:
+                maybe.append((k, op))
             continue
         found = root[source]
         if found is None:  # a source later in the order, or a cycle
@@ -344,19 +388,48 @@ def _roots_in_order(program: Program, g: _Numbered, seq: list[int],
             for name, (r, v) in storage_roots(program).items():
                 k = at[name]
                 root[k], via[k] = at[r], (None if v is None else at[v])
-            return root, via
+            return root, via, {at[r]: tuple(map(at.__getitem__, o)) for r, o in maybe_storages(program).items()}
         root[k] = found
         v = via[source]
         via[k] = v if v is not None or not (isinstance(op, View) and op.maybe) else k
-    return root, via
+    if not maybe:
+        return root, via, {}
+    return root, via, _closure([(k, [root[c] for c in map(lambda name: g.find(k, op, name), op.may_alias)
+                                     if c is not None]) for k, op in maybe])
+
+
+def _closure(direct: list[tuple[object, list]]) -> dict:
+    """Per storage with candidates (`direct`: (storage, the storages its op may return), the
+    candidates' roots), every other storage it may be: its candidates, theirs, and so on (a
+    result of a call on a result that may be x may be x). Iterative, cycle-safe (hand-written
+    text may refer forward); each storage's own is left out."""
+    edges = {k: c for k, c in direct}
+    found: dict = {}
+    for start, _ in direct:
+        if start in found:
+            continue
+        seen, stack = {start}, [start]
+        while stack:
+            for c in edges.get(stack.pop(), ()):
+                if c in found:
+                    seen.update(found[c])
+                    seen.add(c)
+                elif c not in seen:
+                    seen.add(c)
+                    stack.append(c)
+        seen.discard(start)
+        found[start] = tuple(sorted(seen))
+    return {k: v for k, v in found.items() if v}
 
 
 def _storage_edges(program: Program, g: _Numbered, seq: list[int], ops: list[Op]) -> None:
     """`storage` and `free` edges: per storage, the last writer (or free) and the readers since;
     a reader follows the last writer, a writer follows the readers since (or, with none, the
     last writer). Each access costs O(1). Storages are their roots' numbers."""
-    roots, vias = _roots_in_order(program, g, seq, ops)
+    roots, vias, also = _roots_in_order(program, g, seq, ops)
     add, names, operand_numbers, find = g.add, g.names, g.operands, g.find
+    if also:  # some result may share other storages: its accesses are theirs too
+        operand_numbers = _maybe_accesses(g, seq, roots, vias, also)
     last_write: dict[int, int] = {}
     readers: dict[int, list[int]] = {}
     freed: dict[int, int] = {}
@@ -384,6 +457,9 @@ def _storage_edges(program: Program, g: _Numbered, seq: list[int], ops: list[Op]
             written = [roots[find(k, op, w)] for w in op.writes]
             if is_free:
                 written.append(roots[operands[0]])
+            if also:  # a write (or free) of a storage that may be others writes each of them
+                maybe_written = {c: r for r in written for c in also.get(r, ()) if c not in written}
+                written += maybe_written
         else:
             written = ()
         for operand in operands:
@@ -392,9 +468,10 @@ def _storage_edges(program: Program, g: _Numbered, seq: list[int], ops: list[Op]
                 continue
             if root in freed:
                 via = vias[operand]
-                if via is not None:
+                if via is not None:  # (a number past the nodes': an access through a may_alias result)
                     program.notes.append(f"%{names[k]} reads %{names[via]}, which may alias storage "
-                                         f"%{names[freed[root]]} freed before it: taken for a copy (no order kept "
+                                         f"%{names[freed[root]]} freed before it: taken for "
+                                         f"{'fresh storage' if operand >= len(names) else 'a copy'} (no order kept "
                                          "with the free)")
                     continue
                 raise EffectError(f"%{names[k]} reads storage that %{names[freed[root]]} freed before it "
@@ -417,7 +494,13 @@ def _storage_edges(program: Program, g: _Numbered, seq: list[int], ops: list[Op]
             continue
         why = "free" if is_free else "storage"
         for root in dict.fromkeys(written):
+            maybe = also and root in maybe_written
             if root in freed:
+                if maybe:  # it may be fresh storage: no order with the free
+                    program.notes.append(f"%{names[k]} writes %{names[maybe_written[root]]}, which may share storage "
+                                         f"%{names[freed[root]]} freed before it: taken for fresh storage (no order "
+                                         "kept with the free)")
+                    continue
                 if is_free:  # freed again: after the first free, which follows every access
                     add(freed[root], k, "free")
                     continue
@@ -430,10 +513,35 @@ def _storage_edges(program: Program, g: _Numbered, seq: list[int], ops: list[Op]
             elif root in last_write:
                 add(last_write[root], k, why)
             last_write[root] = k
-            if is_free:
+            if is_free and not maybe:  # (freeing what may be another storage frees nothing known of it)
                 freed[root] = k
             if type(op) is Launch:  # an in-place collective (all_reduce_, an `out=` gather) writes until its wait
                 writing[root] = k
+
+
+def _maybe_accesses(g: _Numbered, seq: list[int], roots: list, vias: list,
+                    also: dict[int, tuple[int, ...]]) -> list[tuple[int, ...]]:
+    """`g.operands`, where an operand's storage may be others (`also`) with an access of each
+    added: a number past the nodes' (`roots` and `vias` grow to hold it) whose root is that other
+    storage and whose `maybe` is the operand, so that `_storage_edges` orders it as an access of
+    that storage, and one after its free is a note (the operand may be fresh storage), not a use
+    after free. O(uses + the accesses added)."""
+    operands = list(g.operands)
+    virtual: dict[tuple[int, int], int] = {}  # (operand, other storage) -> its added number
+    for k in seq:
+        mine = operands[k]
+        added = []
+        for operand in mine:
+            for other in also.get(roots[operand], ()):
+                number = virtual.get((operand, other))
+                if number is None:
+                    number = virtual[operand, other] = len(roots)
+                    roots.append(other)
+                    vias.append(operand)
+                added.append(number)
+        if added:
+            operands[k] = (*mine, *added)
+    return operands
 
 
 def _collective_read(program: Program, g: _Numbered, k: int, op: Op, launch: int, in_flight: dict[int, list],

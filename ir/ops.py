@@ -129,6 +129,13 @@ class Op:
     #: the operand whose storage the result shares, when the op is no View (an in-place op's
     #: result, an op whose `meta["val"]` shares its input's storage); None: fresh storage
     alias: str | None = None
+    #: operands whose storage the result MAY share, when nothing says whether it does (a call
+    #: fxsched cannot see into, with no `meta["val"]`: it may return one of its tensors, or a
+    #: view of one). The result has storage of its own too; each access of it also counts as an
+    #: access of each of theirs (a write through it writes them), and an access after one's free
+    #: is a note, not a use after free (it may be fresh). Never with `alias`, nor on a View.
+    #: See ir/effects.py
+    may_alias: tuple[str, ...] = attrs.field(default=(), converter=tuple)
 
     @property
     def nbytes_out(self) -> int:
@@ -137,14 +144,14 @@ class Op:
 
     def fields(self) -> dict[str, object]:
         """Kind-specific fields (everything but name, operands, phase and types), in declaration
-        order, then the storage effects every op may have (`writes`, `alias`)."""
+        order, then the storage effects every op may have (`writes`, `alias`, `may_alias`)."""
         names = [f.name for f in attrs.fields(type(self)) if f.name not in COMMON_FIELDS]
         names.sort(key=EFFECT_FIELDS.__contains__)  # stable: effects last
         return {name: getattr(self, name) for name in names}
 
 
 COMMON_FIELDS = frozenset({"name", "operands", "phase", "types"})
-EFFECT_FIELDS = frozenset({"writes", "alias"})
+EFFECT_FIELDS = frozenset({"writes", "alias", "may_alias"})
 
 
 @irop("input", movable=False)

@@ -60,7 +60,7 @@ from bisect import bisect
 
 import attrs
 
-from .effects import BACKWARD, ENTRY, collective_order, storage_readers, storage_root
+from .effects import BACKWARD, ENTRY, collective_order, storage_candidates, storage_readers, storage_root
 from .ops import Free, Input, Launch, Op, Opaque, Phase, Wait
 from .program import DATA, EFFECT, Program
 from .waits import waits_of
@@ -99,6 +99,7 @@ class Rewriter:
         self.erased = 0
         self.replaced = 0
         self._writer_cache: dict[str, frozenset[str]] = {}  # storage root -> its writers (see module doc)
+        self._maybe_cache: dict[str, tuple[str, ...]] = {}  # storage root -> `_maybe_set`
 
     # ---- create -----------------------------------------------------------------------
     def create(self, op: Op, *, before: str, payload: object = None) -> Op:
@@ -121,6 +122,8 @@ class Rewriter:
         program.schedule.insert_before(op.name, before)
         if isinstance(op, Free) or getattr(op, "writes", ()):  # a new writer of some storage
             self._writer_cache.clear()
+        if op.may_alias:  # a new storage that may be others
+            self._maybe_cache.clear()
         try:  # its reads of existing storage keep their order with that storage's writes and free
             edges = [e for operand in dict.fromkeys(op.operands) for e in self._storage_order([op.name], operand)]
             if isinstance(op, Wait) and op.launched_by in program.graph:
@@ -276,6 +279,11 @@ class Rewriter:
         # the users (and what reads through them) move from old's storage to new's
         self._writer_cache.pop(storage_root(program, old), None)
         self._writer_cache.pop(storage_root(program, new), None)
+        if any(program.op(user).may_alias for user in users):  # a result that may be old's storage, now new's
+            self._maybe_cache.clear()
+        else:
+            self._maybe_cache.pop(storage_root(program, old), None)
+            self._maybe_cache.pop(storage_root(program, new), None)
         for user in users:
             op = program.op(user)
             graph.nodes[user]["op"] = _with_operands(op, old, new)
@@ -334,6 +342,59 @@ class Rewriter:
                 if isinstance(program.op(first), Free) and not isinstance(program.op(then), Free):
                     raise RewriteError(f"%{then} would read storage that %{first} frees before it")
                 edges.append((first, then, "free" if isinstance(program.op(then), Free) else "storage"))
+        maybe = self._maybe_set(root)
+        if len(maybe) > 1 or any(program.op(u).may_alias for u in users):
+            edges += self._maybe_order(users, fresh, maybe)
+        return edges
+
+    def _maybe_set(self, root: str) -> tuple[str, ...]:
+        """`root` and every storage it may be or that may be it, through `may_alias` either way
+        (ir/effects.py `storage_candidates`; an op that reads a storage and whose `may_alias`
+        names it), `root` first; `(root,)` nearly always. Kept between edits as `_writers` is."""
+        found = self._maybe_cache.get(root)
+        if found is not None:
+            return found
+        program = self.program
+        node = program.graph._node
+        cache: dict[str, str] = {}
+        found, stack = [root], [root]
+        while stack:
+            current = stack.pop()
+            linked = list(storage_candidates(program, current, cache)[1:])
+            if any(node[a]["op"].may_alias for a in storage_readers(program, current)):
+                linked += [a for a in storage_readers(program, current) if node[a]["op"].may_alias
+                           and any(storage_root(program, c, cache) == current for c in node[a]["op"].may_alias)]
+            for other in linked:
+                if other not in found:
+                    found.append(other)
+                    stack.append(other)
+        found = self._maybe_cache[root] = tuple(found)
+        return found
+
+    def _maybe_order(self, users: list[str], fresh: set[str], maybe: tuple[str, ...]) -> list[tuple[str, str, str]]:
+        """The edges a result that may share storage adds (ir/effects.py): the new accesses
+        (`fresh`, and what reads through a user whose result may be the storage) are ordered, as
+        the schedule has them, against every access of every storage in `maybe` where either
+        writes one of them; an access after a free of another of them keeps no order with it (it
+        may be fresh storage), so nothing is refused. Conservative (each access counts as a write
+        where one of them writes any of the storages): such storages are rare."""
+        program = self.program
+        pos = program.schedule.index
+        fresh = set(fresh)
+        for user in users:
+            if program.op(user).may_alias:
+                fresh |= storage_readers(program, user)
+        accessors = set().union(*(storage_readers(program, s) for s in maybe)) | fresh
+        writes = {a: any(_writes(program, a, s) for s in maybe) for a in accessors}
+        edges = []
+        for a in sorted(fresh, key=pos):
+            for b in accessors:
+                if b == a or (b in fresh and pos(b) < pos(a)) or not (writes[a] or writes[b]):
+                    continue
+                first, then = (a, b) if pos(a) < pos(b) else (b, a)
+                if isinstance(program.op(first), Free) and not isinstance(program.op(then), Free):
+                    continue  # an access after the free: it may be fresh storage (a note in ir/effects.py)
+                edges.append((first, then, "free" if isinstance(program.op(then), Free) else "storage"))
         return edges
 
     def _writers(self, root: str) -> frozenset[str]:
@@ -371,6 +432,7 @@ class Rewriter:
         program.schedule.remove(name)
         program.payload.pop(name, None)
         self._writer_cache.clear()  # it may have been a writer, or read through an alias of one
+        self._maybe_cache.clear()
         self.erased += 1
 
 
@@ -401,7 +463,7 @@ def _writes(program: Program, name: str, root: str) -> bool:
 
 def _with_operands(op: Op, old: str, new: str) -> Op:
     """`op` reading `new` for `old`: its operands, and any field naming an operand's storage
-    (the storage effects' `writes` and `alias`, where the op kind has them)."""
+    (the storage effects' `writes`, `alias` and `may_alias`)."""
     operands = op.operands
     if operands.count(old) == 1:  # (in C: an op may read thousands, as the output does)
         at = operands.index(old)
@@ -413,4 +475,6 @@ def _with_operands(op: Op, old: str, new: str) -> Op:
         changes["writes"] = tuple(new if o == old else o for o in op.writes)
     if getattr(op, "alias", None) == old:
         changes["alias"] = new
+    if old in op.may_alias:
+        changes["may_alias"] = tuple(dict.fromkeys(new if o == old else o for o in op.may_alias))
     return attrs.evolve(op, **changes)

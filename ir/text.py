@@ -12,6 +12,11 @@ An in-place op says what it writes, and whose storage its result shares:
 
     %t2 = compute "aten.add_.Tensor"(%t, %eps) {writes = [%t], alias = %t}
 
+and a call fxsched cannot see into, whose result may be one of its tensors (or a view of one),
+says which storages its result may share:
+
+    %r = compute "mystery"(%a, %b) {writes = [%a, %b], may_alias = [%a, %b]}
+
 A coalesced launch has a result per operand; each is a view (getitem) waited by a wait that
 names the launch:
 
@@ -95,8 +100,8 @@ def print_op(op: Op, region: Phase = Phase.FORWARD, with_phase: bool = True) -> 
             attrs_out.append(key)
         elif key in ("anchor", "alias", "launch"):  # references to nodes
             attrs_out.append(f"{key} = {_ref(value)}")
-        elif key == "writes":
-            attrs_out.append("writes = [" + ", ".join(map(_ref, value)) + "]")
+        elif key in ("writes", "may_alias"):  # lists of references to nodes
+            attrs_out.append(f"{key} = [" + ", ".join(map(_ref, value)) + "]")
         else:
             attrs_out.append(f"{key} = {_value(value)}")
     if attrs_out:
@@ -399,7 +404,8 @@ def parse_program(text: str) -> Program:
                 line.i = next(i for i, t in enumerate(line.tokens) if t[1] == f"%{operand}")
                 line.error(f"%{operand} is not defined")
             program.graph.add_edge(operand, op.name, kind=DATA)
-        refs = (*op.writes, *((op.alias,) if op.alias is not None else ()), *filter(None, (getattr(op, "launch", None),)))
+        refs = (*op.writes, *((op.alias,) if op.alias is not None else ()), *op.may_alias,
+                *filter(None, (getattr(op, "launch", None),)))
         for ref in refs:
             if ref not in defined:  # the effects below look them up (verify says they must be operands)
                 line.i = next(i for i, t in enumerate(line.tokens) if t[1] == f"%{ref}")

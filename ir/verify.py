@@ -77,7 +77,7 @@ def _structure(program: Program) -> list[str]:
             problems.append(f"%{name}: data edges {sorted(data_preds)} differ from operands {list(op.operands)}")
         if op.writes:
             writes.append(op)
-        if op.alias:
+        if op.alias or op.may_alias:
             aliases.append(op)
         if isinstance(op, (Wait, Launch)):  # the rules below are for waits and launches only
             collectives.append(op)
@@ -88,8 +88,15 @@ def _structure(program: Program) -> list[str]:
         if not set(op.writes) <= set(op.operands):
             problems.append(f"%{op.name}: writes {list(op.writes)}, which are not all operands {list(op.operands)}")
     for op in aliases:
-        if op.alias not in op.operands:
+        if op.alias and op.alias not in op.operands:
             problems.append(f"%{op.name}: alias %{op.alias} is not an operand {list(op.operands)}")
+        if op.may_alias:
+            if not set(op.may_alias) <= set(op.operands):
+                problems.append(f"%{op.name}: may_alias {list(op.may_alias)}, which are not all operands "
+                                f"{list(op.operands)}")
+            if op.alias or isinstance(op, View):  # its storage is another's: it cannot also be fresh
+                problems.append(f"%{op.name}: may_alias with {'alias' if op.alias else 'a view'}: a result "
+                                "shares one storage, or may share some (may_alias), not both")
     for op in collectives:
         name = op.name
         if isinstance(op, Wait):

@@ -20,7 +20,7 @@ import torch
 from torch import fx
 
 from ..ir import (DTYPE_BYTES, Barrier, EffectError, Cast, Compute, Constant, CopyOut, Free, Input, Launch, Op, Opaque, Output, Phase, Program,
-                  Role, Schedule, TensorType, View, Wait, derive_effects, storage_root)
+                  Role, Schedule, TensorType, View, Wait, derive_effects, storage_candidates, storage_root)
 from ..ir.errors import InputError
 from ..ir.gcpause import gc_paused
 from ..ir.ops import WAIT_ON_NO_LAUNCH
@@ -254,8 +254,9 @@ class _Lowering:
             inputs = [n.name for n in sub.graph.find_nodes(op="placeholder")]
             output = next(iter(sub.graph.find_nodes(op="output")), None)
             roots: dict[str, str] = {}
-            returned = {storage_root(program, n.name, roots)
-                        for n in (output.all_input_nodes if output is not None else ())}
+            # (a result that may be an input's storage, `may_alias`, may hand that input back too)
+            returned = {root for n in (output.all_input_nodes if output is not None else ())
+                        for root in storage_candidates(program, n.name, roots)}
             self.returns[key] = [at for at, name in enumerate(inputs) if name in returned]
         return self.returns[key]
 
@@ -573,9 +574,10 @@ class _Lowering:
         # (torch calls Python's torch.rand* impure whatever impure_random says)
         random = (info.random or (kind == "call_module" and _random_module(self.gm.get_submodule(node.target)))
                   or (isinstance(node.target, torch._ops.HigherOrderOperator) and self.draws_inside(node)))
+        may_alias = self.may_return(node, writes) if unknown else ()
         if (unknown or not writes) and not random and self.impure(node):
             return Barrier.make(name, operands, phase, types, target=target, reason="side effect",
-                                heavy=info.heavy, attention=info.attention)
+                                heavy=info.heavy, attention=info.attention, may_alias=may_alias)
         if (unknown and isinstance(node.target, torch._ops.HigherOrderOperator)
                 and any(map(_graph_state, _subgraphs(self.gm, node)))):
             # its subgraph writes, and reads tensors of its own (make_fx's constant for a closed-over
@@ -590,12 +592,14 @@ class _Lowering:
                 # operand names (get_attr nodes may read them, a second call of it writes them
                 # again): ordered against everything
                 return Barrier.make(name, operands, phase, types, target=target, reason="module state",
-                                    heavy=info.heavy, attention=info.attention)
+                                    heavy=info.heavy, attention=info.attention, may_alias=may_alias)
             if state:  # it reads its state: a barrier if a get_attr of it is written (`_module_state_barriers`)
                 self.module_calls.append((name, state))
         if unknown and writes:
             self.notes.append(f"%{node.name}: {target} is a call fxsched cannot see into: taken to write "
-                              f"{', '.join('%' + w for w in writes)}")
+                              f"{', '.join('%' + w for w in writes)}"
+                              + ("; no meta['val'] says whether its result is one of them (or a view of one): "
+                                 "ordered as each of their storages too (may_alias)" if may_alias else ""))
         alias = self.shared(node) or alias or (sources[0] if sources else None)
         if (alias is None and kind == "call_module" and self.storage(node) is None and node.args
                 and isinstance(node.args[0], fx.Node)
@@ -606,7 +610,24 @@ class _Lowering:
         if info.cast and not writes:
             return Cast.make(name, operands, phase, types, target=target, alias=alias)
         return Compute.make(name, operands, phase, types, target=target, heavy=info.heavy, attention=info.attention,
-                            random=random, writes=writes, alias=alias)
+                            random=random, writes=writes, alias=alias, may_alias=may_alias)
+
+    def may_return(self, node: fx.Node, writes: tuple[str, ...]) -> tuple[str, ...]:
+        """The operands a call fxsched cannot see into may return, or a view of one (`Op.may_alias`):
+        every tensor it is given (its `writes`), unless a `meta["val"]` with storage says (`storage`:
+        fresh, or shared with an operand, `shared`), or the val holds no tensor, or fxsched looks
+        into the call after all (a higher-order op's subgraph, a called GraphModule: `hop_alias`)."""
+        if not writes or self.storage(node) is not None:
+            return ()
+        value = node.meta.get("val")
+        if value is not None and not isinstance(value, (torch.Tensor, list, tuple)):
+            return ()  # an int, a bool, ...: no storage to share
+        if node.op == "call_module":
+            if isinstance(self.gm.get_submodule(node.target), fx.GraphModule):
+                return ()
+        elif isinstance(node.target, torch._ops.HigherOrderOperator) and _subgraphs(self.gm, node):
+            return ()
+        return writes
 
     def realias(self, first: str) -> tuple[str]:
         """The operands of the op being lowered, which reads `first` (an earlier input or
@@ -810,7 +831,8 @@ def _rebind(ops: list[Op], rebinds: set[str], same: dict[str, str]) -> tuple[lis
             if operands != op.operands:
                 replaced += [(before, op.name) for before, after in zip(op.operands, operands) if before != after]
                 op = attrs.evolve(op, operands=operands, writes=tuple(dict.fromkeys(map(read, op.writes))),
-                                  alias=None if op.alias is None else read(op.alias))
+                                  alias=None if op.alias is None else read(op.alias),
+                                  may_alias=tuple(dict.fromkeys(map(read, op.may_alias))))
         if op.alias is not None and op.alias in op.writes:  # an in-place op returns the tensor it writes
             identity[op.name] = identity.get(op.alias, op.alias)
         if op.name in rebinds and op.operands:
