@@ -49,6 +49,11 @@ UNDECLARED_WRITES = {name: ("running_mean", "running_var") for name in (
 #: gloo ranks
 UNDECLARED_WRITES["_c10d_functional::irecv"] = ("tensor",)
 UNDECLARED_RESULT = {"_c10d_functional::irecv": "tensor"}
+#: FSDP2's copy-in (`fsdp::all_gather_copy_in(Tensor[] all_gather_inputs, Tensor all_gather_output, ...)
+#: -> (Tensor, Tensor)`, what torch.compile traces of fully_shard) copies the inputs into
+#: all_gather_output and returns a narrow view of it and it; its schema says neither
+UNDECLARED_WRITES["fsdp::all_gather_copy_in"] = ("all_gather_output",)
+UNDECLARED_RESULT["fsdp::all_gather_copy_in"] = "all_gather_output"
 #: a batch of sends and receives (`batch_p2p_ops`) returns the receiving tensors themselves, each
 #: waited through a getitem: the batch and its waits are barriers
 P2P_BATCH = "_c10d_functional::batch_p2p_ops"

@@ -204,3 +204,34 @@ def test_collectives_whose_results_are_read_by_name_in_random_legal_orders_are_b
         keys.append(key)
     results = run_ranks(run_all, 2, args=(jobs,), timeout=600, group_name="0")
     check_bitwise(results, keys, "a legal order", per_key=per_key)
+
+
+# --------------------------------------------------------------------------- FSDP2's custom ops
+
+
+def test_fsdp2s_copy_in_writes_its_output_buffer_and_returns_views_of_it():
+    """`fsdp::all_gather_copy_in(inputs, all_gather_output, ...)` (what torch.compile traces of
+    fully_shard's all-gather) copies its inputs into all_gather_output and returns a narrow view of
+    it and it, though its schema says neither: reads of the buffer crossed the copy and a later
+    write of it crossed reads of the results (429 of 430 orders computed other numbers). FSDP2
+    gives it a fresh `empty` buffer, which nothing else reads; a graph may not."""
+    import operator
+
+    import torch.distributed.fsdp._fully_shard._fsdp_collectives  # noqa: F401  registers fsdp::
+
+    from test_fronts_attack import _graph
+
+    def build(g):
+        x, b = g.placeholder("x"), g.placeholder("b")
+        before = g.call_function(_aten.mul.Tensor, (b, 2))
+        r = g.call_function(torch.ops.fsdp.all_gather_copy_in.default, ([x], b, [4], 4, 1))
+        mine, whole = (g.call_function(operator.getitem, (r, i)) for i in (0, 1))
+        after = g.call_function(_aten.mul.Tensor, (b, 3))
+        g.call_function(_aten.add_.Tensor, (b, 1))
+        g.output((before, after, g.call_function(_aten.mul.Tensor, (mine, 5)),
+                  g.call_function(_aten.mul.Tensor, (whole, 7)), g.call_function(torch.sin, (g.call_function(torch.ones, (3,)),))))
+
+    gm = _graph(build)
+    op = lower(gm).op("all_gather_copy_in_default")
+    assert op.writes == ("b",) and op.alias == "b"
+    assert_every_legal_order_computes_the_same(gm, [torch.randn(4), torch.randn(8)])
