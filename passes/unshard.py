@@ -41,7 +41,7 @@ import attrs
 
 from ..cost.model import CostAnalysis
 from ..cost.simulate import MemoryProfile, Sweep, keeper_slots, last_kept, op_getter, simulate, steps_of
-from ..ir import DATA, Cast, Free, Launch, Program, Role, Wait, storage_root
+from ..ir import DATA, Cast, Free, Launch, Program, Role, Wait, storage_candidates, storage_root
 from ..ir.holds import OVER_PEAK_CAP, SAVES_TOO_LITTLE, register_hold
 from ..ir.rewriter import Rewriter
 from .base import ModulePass, PassContext, PassResult, check_budget, check_ms, option, register_pass
@@ -249,7 +249,8 @@ def find_candidates(program: Program) -> tuple[list[Candidate], dict[str, str]]:
             forward_gathers.setdefault((op.params, op.group), []).append(op)
         elif isinstance(op, Free) and op.operands:
             replica_frees.setdefault(storage_root(program, op.operands[0], roots), []).append(op.name)
-        written.update(storage_root(program, w, roots) for w in getattr(op, "writes", ()))
+        for w in op.writes:  # (a write through a result that may be another storage writes it too: may_alias)
+            written.update(storage_candidates(program, w, roots))
     candidates, held = [], {}
     claimed: set[str] = set()  # forward frees a candidate erases
 

@@ -396,6 +396,9 @@ def _scale(w):
     return w * 0.5 + 1
 
 
+PIPELINES = ("reference", "default", "rewrite", "default,unshard", "default,bucket")
+
+
 def _fsdp_graph() -> fx.GraphModule:
     """Two gathered parameters; the first goes through `_scale` (fresh), its gathered buffer is
     freed, and the scaled copy is read after the free."""
@@ -430,22 +433,60 @@ def test_a_call_on_a_gathered_buffer_read_after_its_free_is_a_note():
     assert "%mm_default_2 reads %_scale, which may alias storage %fsdp_free_storage freed before it: taken for " \
            "fresh storage (no order kept with the free)" in program.notes
     assert nx.has_path(program.graph, "_scale", "fsdp_free_storage")  # it writes the buffer: before the free
-    for pipeline in ("reference", "default"):
+    for pipeline in PIPELINES:
         fxsched.schedule(_fsdp_graph(), pipeline)
 
 
 @pytest.mark.multirank
 def test_a_call_on_a_gathered_buffer_runs_bitwise_on_two_ranks():
-    """The schedules (reference, default) and random legal orders of the FSDP-shaped graph compute
+    """The schedules (`PIPELINES`) and random legal orders of the FSDP-shaped graph compute
     its numbers on 2 gloo ranks."""
     from fxsched.runtime import run_ranks
 
     from ranks import check_bitwise, run_all
 
     gm = _fsdp_graph()
-    jobs = [gm, *(fxsched.schedule(_fsdp_graph(), p).graph_module for p in ("reference", "default")),
+    jobs = [gm, *(fxsched.schedule(_fsdp_graph(), p).graph_module for p in PIPELINES),
             *(raised for _, raised in _raised_in_random_orders(lower(gm), 6))]
     torch.manual_seed(0)
     feeds = [[torch.randn(4, 4) + rank, torch.randn(8) - rank, torch.randn(8) + 2 * rank] for rank in range(2)]
     results = run_ranks(run_all, 2, args=([(job, feeds) for job in jobs],), timeout=600, group_name="0")
     check_bitwise(results, ["fsdp graph"], "a schedule", per_key=len(jobs))
+
+
+UNSHARD = """\
+%x = input : f32[64,64]
+%w = input : f32[2048]
+^entry
+%ag = launch "_c10d_functional.all_gather_into_tensor.default"(%w) {group = "0", group_size = 2, role = fsdp_all_gather, nbytes = 16384, params = ["w"]} : f32[4096]
+%t = wait "_c10d_functional.wait_tensor.default"(%ag) : f32[4096]
+%v = view "aten.view.default"(%t) : f32[64,64]
+%y = compute "aten.mm.default"(%x, %v) {heavy} : f32[64,64]
+%r = compute "mystery"(%v) {may_alias = [%v]} : f32[64,64]
+%rw = compute "aten.add_.Tensor"(%r, %y) {writes = [%r], alias = %r} : f32[64,64]
+%f = free "fsdp_free_storage"(%t) {params = ["w"]}
+%z = compute "aten.relu.default"(%rw) : f32[64,64]
+^backward
+%big = compute "aten.ones.default"() : f32[256,256]
+%s = compute "aten.sum.default"(%big) : f32[]
+%rag = launch "_c10d_functional.all_gather_into_tensor.default"(%w) {group = "0", group_size = 2, role = fsdp_all_gather_backward, nbytes = 16384, params = ["w"]} : f32[4096]
+%rt = wait "_c10d_functional.wait_tensor.default"(%rag) : f32[4096]
+%rv = view "aten.view.default"(%rt) : f32[64,64]
+%g = compute "aten.addmm.default"(%s, %z, %rv) {heavy} : f32[64,64]
+%rf = free "fsdp_free_storage"(%rt) {params = ["w"]}
+%output = output(%g)
+"""
+
+
+def test_unshard_keeps_the_regather_of_a_replica_written_through_a_result_that_may_be_it():
+    """A write through a result that may be the forward replica may change it: the backward must
+    re-gather (`replica written`), not read the replica (tests/filecheck/passes/unshard.fxir
+    unshards the same program without the call)."""
+    from fxsched.passes import PassManager
+
+    program = parse_program(UNSHARD)
+    PassManager("unshard{max-peak-increase-gb=0.0001}").run(program)
+    assert program.op("rag").hold == "replica written"
+    plain = parse_program(UNSHARD.replace(" {may_alias = [%v]}", ""))
+    PassManager("unshard{max-peak-increase-gb=0.0001}").run(plain)
+    assert "rag" not in plain.graph  # without may_alias it unshards: the check above can fail
