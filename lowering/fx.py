@@ -27,9 +27,10 @@ from ..ir.ops import WAIT_ON_NO_LAUNCH
 from ..ir.text import EXPLICIT
 from ..ir import tags
 from ..ir.holds import BUCKET_WITHOUT_MEMBERS, NO_PARAMETER_NAME
-from .targets import (FUNCTIONAL_HOPS, P2P_BATCH, TRITON_MUTATION, _MODULES_RETURNING_INPUT, _PLAIN_ATTRIBUTES,
-                      _VIEW_ATTRIBUTES, _Target, _classify, _graph_draws, _graph_state, _graph_writes, _random_module,
-                      _subgraphs, _updates_running_stats, _written_arguments, target_name)
+from .targets import (FUNCTIONAL_HOPS, P2P_BATCH, TRITON_FUNCTIONAL, TRITON_MUTATION, _MODULES_RETURNING_INPUT,
+                      _PLAIN_ATTRIBUTES, _VIEW_ATTRIBUTES, _Target, _classify, _graph_draws, _graph_state, _graph_writes,
+                      _random_module, _subgraphs, _updates_running_stats, _written_arguments, target_name,
+                      triton_written)
 
 GATHER_TAGS = {tags.ALL_GATHER: Role.GATHER, tags.ALL_GATHER_BACKWARD: Role.REGATHER}
 FREE_TAGS = (tags.RESHARD_FREE, tags.RESHARD_FREE_BACKWARD)
@@ -188,8 +189,8 @@ class _Lowering:
         one whose subgraph writes in place, or one fxsched does not know (`FUNCTIONAL_HOPS`) and
         can see no subgraph of, every tensor it is given."""
         hop = node.target.name()
-        if hop == TRITON_MUTATION:
-            return tuple(dict.fromkeys(n.name for n in _node_operands(list((node.kwargs.get("kwargs") or {}).values())))), None, False
+        if hop in (TRITON_MUTATION, TRITON_FUNCTIONAL):
+            return tuple(n.name for n in triton_written(node)), None, False
         subgraphs = _subgraphs(self.gm, node)
         if subgraphs:
             alias = self.hop_alias(node, subgraphs)

@@ -218,12 +218,27 @@ _RNG_STATE = frozenset({"manual_seed", "seed", "set_rng_state", "get_rng_state",
 #: Higher-order ops that read their tensors and write none (each op they are given is run
 #: functionally); a higher-order op neither listed nor given a subgraph fxsched can read is taken
 #: to write every tensor it is given
-FUNCTIONAL_HOPS = frozenset({"auto_functionalized", "auto_functionalized_v2", "triton_kernel_wrapper_functional",
+FUNCTIONAL_HOPS = frozenset({"auto_functionalized", "auto_functionalized_v2",
                              "with_effects", "run_and_save_rng_state", "run_with_rng_state",
                              "graphsafe_run_with_rng_state", "out_dtype"})
 #: `triton_kernel_wrapper_mutation(kernel_idx, ..., kwargs={name: tensor})` runs a user's triton
-#: kernel on the tensors of `kwargs`, writing those it stores to (all of them, as fxsched sees it)
+#: kernel on the tensors of `kwargs`, writing those it stores to (all of them, as fxsched sees it);
+#: `triton_kernel_wrapper_functional(..., kwargs, tensors_to_clone)` runs it on clones of
+#: `tensors_to_clone` only and writes the others it stores to: before Inductor's reinplacing those
+#: are the tensors the kernel only reads, after it not (`triton_written`)
 TRITON_MUTATION = "triton_kernel_wrapper_mutation"
+TRITON_FUNCTIONAL = "triton_kernel_wrapper_functional"
+
+
+def triton_written(node: fx.Node) -> list[fx.Node]:
+    """The tensors a call of a user's triton kernel may write: those of its `kwargs` (in tuples
+    too: triton takes tuples of pointers) that a functional call does not clone."""
+    cloned = node.kwargs.get("tensors_to_clone") or () if node.target.name() == TRITON_FUNCTIONAL else ()
+    found: list[fx.Node] = []
+    for key, value in (node.kwargs.get("kwargs") or {}).items():
+        if key not in cloned:
+            fx.map_arg(value, found.append)
+    return list(dict.fromkeys(found))
 
 
 def _graph_state(gm: fx.GraphModule) -> bool:
@@ -246,7 +261,7 @@ def _graph_writes(gm: fx.GraphModule, target: Callable[[fx.Node], _Target]) -> b
             if info.written or info.py_inplace or node.kwargs.get("inplace") is True:
                 return True
             if isinstance(node.target, torch._ops.HigherOrderOperator) and (
-                    node.target.name() == TRITON_MUTATION
+                    (node.target.name() in (TRITON_MUTATION, TRITON_FUNCTIONAL) and triton_written(node))
                     or any(_graph_writes(sub, target) for sub in _subgraphs(gm, node))):
                 return True
     return False
