@@ -159,9 +159,25 @@ def _in_place_launch_result_read_twice(g):
     _pad(g, [a, g.call_function(_aten.mul.Tensor, (x, 2))])
 
 
+def _in_place_coalesced_results_are_its_inputs(g):
+    """`all_reduce_coalesced_([x, y])` returns its list: its waited getitems are x and y, written
+    after by `y.add_`."""
+    import operator
+
+    x, y = g.placeholder("x"), g.placeholder("y")
+    before = g.call_function(_aten.mul.Tensor, (y, 2))
+    r = g.call_function(_c10d.all_reduce_coalesced_.default, ([x, y], "sum", "0"))
+    a = g.call_function(_c10d.wait_tensor.default, (g.call_function(operator.getitem, (r, 0)),))
+    b = g.call_function(_c10d.wait_tensor.default, (g.call_function(operator.getitem, (r, 1)),))
+    g.call_function(_aten.add_.Tensor, (y, 1))
+    _pad(g, [before, g.call_function(_aten.mul.Tensor, (a, 2)), g.call_function(_aten.mul.Tensor, (b, 3)),
+             g.call_function(_aten.mul.Tensor, (y, 4))])
+
+
 _COLLECTIVE_RESULTS = {f.__name__.strip("_"): f for f in (
     _all_to_all_result_read_by_name, _wait_result_written_launch_read, _launch_result_written_wait_read,
-    _coalesced_result_taken_twice, _in_place_launch_result_read_twice)}  # the first reads rank data
+    _coalesced_result_taken_twice, _in_place_launch_result_read_twice,
+    _in_place_coalesced_results_are_its_inputs)}  # the first reads rank data
 
 
 def test_a_collective_whose_result_is_also_read_by_name_is_opaque_and_its_wait_is_its_result():
@@ -185,8 +201,9 @@ def test_collectives_whose_results_are_read_by_name_in_random_legal_orders_are_b
     the launch's result is read by name besides its wait (dynamo-level and hand-built graphs; the
     launch is then opaque and the wait a wait on no launch), a write through one crossed a read of
     the other: of 20 random legal orders, 8 (all_to_all_single), 10 and 17 (all_reduce), 2
-    (all_reduce_coalesced) and 14 (all_reduce_) computed other numbers. Every one now computes the
-    input's numbers on 2 gloo ranks."""
+    (all_reduce_coalesced) and 14 (all_reduce_) computed other numbers. An in-place coalesced one
+    (`all_reduce_coalesced_`, always opaque) returns its list, and its getitems were fresh storage
+    (15 of 20). Every one now computes the input's numbers on 2 gloo ranks."""
     from fxsched.runtime import run_ranks
 
     from ranks import check_bitwise, run_all
