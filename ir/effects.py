@@ -13,7 +13,9 @@ Each op has effects on resources, as MLIR's memory effects:
   as an access of each of them too (a write or free of it as a write of them), and one after a
   free of theirs is a note, not an error (it may be fresh). Such accesses are added to the walk
   as numbers past the nodes' (`_maybe_accesses`); with no `may_alias` in the program nothing is
-  added. Edges run from the last writer and from the readers since,
+  added. Storages linked so to more than `MAYBE_LIMIT` others (a chain of such calls) are merged
+  into one instead, for the whole program (`_maybe_links`), so that an access costs O(1) more
+  storages, not the chain's length. Edges run from the last writer and from the readers since,
   so a storage costs its accesses, not their square. A collective reads its inputs until its
   wait (the launch is asynchronous), so a wait reads its launch's operands too (a wait on an
   opaque collective's result, its collective's): their next write or free follows the wait, not
@@ -93,8 +95,13 @@ def maybe_storages(program: Program, roots: dict[str, tuple[str, str | None]] | 
         return {}
     if roots is None:
         roots = storage_roots(program)
-    return _closure([(name, [roots[c][0] for c in may if c in roots]) for name, may in direct
-                     if roots[name][0] == name])  # (a View or an alias with may_alias: verify refuses it)
+    found: dict[str, tuple[str, ...]] = {}
+    for name, _ in direct:
+        if roots[name][0] == name:  # (a View or an alias with may_alias: verify refuses it)
+            others = storage_candidates(program, name)[1:]
+            if others:
+                found[name] = tuple(sorted(others))
+    return found
 
 
 def storage_candidates(program: Program, name: str, cache: dict[str, str] | None = None) -> tuple[str, ...]:
@@ -358,13 +365,14 @@ def _of(kinds: list[type], present: set[type], classes: tuple[type, ...]):
     return map(table.__getitem__, kinds)
 
 
-def _roots_in_order(program: Program, g: _Numbered, seq: list[int],
-                    ops: list[Op]) -> tuple[list[int | None], list[int | None], dict[int, tuple[int, ...]]]:
+def _roots_in_order(program: Program, g: _Numbered, seq: list[int], ops: list[Op]
+                    ) -> tuple[list[int | None], list[int | None], dict[int, tuple[int, ...]], set[int]]:
     """`storage_roots` by number (per node, its root's number, and the first `maybe` view's on
     the way or None), in one walk down the order when every view's (and alias's) source comes
     before it, as in a lowered graph; otherwise (hand-written text may refer forward) from
-    `storage_roots` itself. Also `maybe_storages` by number: a root whose op has `may_alias` ->
-    the other storages it may be (empty, and nothing more walked, where no op has any)."""
+    `storage_roots` itself. Also, where some op has `may_alias` (`_maybe_links`): per storage,
+    the others it may be, and the storages merged into one (their roots are the merged one's);
+    both empty, and nothing more walked, where no op has any."""
     size = len(g.names)
     root: list[int | None] = [None] * size
     via: list[int | None] = [None] * size
@@ -388,46 +396,75 @@ def _roots_in_order(program: Program, g: _Numbered, seq: list[int],
             for name, (r, v) in storage_roots(program).items():
                 k = at[name]
                 root[k], via[k] = at[r], (None if v is None else at[v])
-            return root, via, {at[r]: tuple(map(at.__getitem__, o)) for r, o in maybe_storages(program).items()}
+            maybe = [(k, op) for k, op in zip(seq, ops) if op.may_alias and root[k] == k]
+            break
         root[k] = found
         v = via[source]
         via[k] = v if v is not None or not (isinstance(op, View) and op.maybe) else k
     if not maybe:
-        return root, via, {}
-    return root, via, _closure([(k, [root[c] for c in map(lambda name: g.find(k, op, name), op.may_alias)
-                                     if c is not None]) for k, op in maybe])
+        return root, via, {}, set()
+    also, merged = _maybe_links([(k, [root[c] for c in [g.find(k, op, name) for name in op.may_alias] if c is not None])
+                                 for k, op in maybe])
+    if merged:  # every value of a merged storage has the merged one's root
+        root = [merged.get(r, r) for r in root]
+    return root, via, also, set(merged.values())
 
 
-def _closure(direct: list[tuple[object, list]]) -> dict:
-    """Per storage with candidates (`direct`: (storage, the storages its op may return), the
-    candidates' roots), every other storage it may be: its candidates, theirs, and so on (a
-    result of a call on a result that may be x may be x). Iterative, cycle-safe (hand-written
-    text may refer forward); each storage's own is left out."""
-    edges = {k: c for k, c in direct}
-    found: dict = {}
-    for start, _ in direct:
-        if start in found:
-            continue
+# A storage linked through `may_alias` (either way, at any distance) to more than this many
+# others is merged with them (`_maybe_links`): a chain of calls fxsched cannot see into, each on
+# the last one's result and a new tensor (a wrapped layer function through a deep model), would
+# make each access of the last result an access of every storage on the way, O(chain) each.
+MAYBE_LIMIT = 32
+
+
+def _maybe_links(direct: list[tuple[int, list[int]]]) -> tuple[dict[int, tuple[int, ...]], dict[int, int]]:
+    """`direct`: (a storage whose op has `may_alias`, its candidates' storages). Returns, per
+    storage, every other storage it may be (its candidates, theirs, and so on: a call on a result
+    that may be x may return x), sorted; and, for the storages linked (either way) to more than
+    `MAYBE_LIMIT` others, storage -> the one they are merged into (the least of them), for the
+    whole program: each access of one is an access of all (exact, and linear, at the price of
+    ordering accesses of two candidates of one call, before it too, as one storage's; a free of
+    one of them is a write of the merged storage, and a use after it is not diagnosed). O(the
+    storages named + MAYBE_LIMIT per storage)."""
+    parent: dict[int, int] = {}
+
+    def find(a: int) -> int:
+        while (p := parent.get(a, a)) != a:
+            parent[a] = a = parent.get(p, p)
+        return a
+
+    for storage, candidates in direct:
+        for c in candidates:
+            a, b = find(storage), find(c)
+            if a != b:
+                parent[max(a, b)] = min(a, b)  # the least number is the component's
+    members: dict[int, list[int]] = {}
+    for storage in {x for storage, candidates in direct for x in (storage, *candidates)}:
+        members.setdefault(find(storage), []).append(storage)
+    merged = {m: rep for rep, group in members.items() if len(group) > MAYBE_LIMIT + 1 for m in group if m != rep}
+    edges = {storage: candidates for storage, candidates in direct if storage not in merged and find(storage) not in merged
+             and len(members[find(storage)]) <= MAYBE_LIMIT + 1}
+    also: dict[int, tuple[int, ...]] = {}
+    for start in edges:  # a component of at most MAYBE_LIMIT + 1 storages: each walk is bounded
         seen, stack = {start}, [start]
         while stack:
             for c in edges.get(stack.pop(), ()):
-                if c in found:
-                    seen.update(found[c])
-                    seen.add(c)
-                elif c not in seen:
+                if c not in seen:
                     seen.add(c)
                     stack.append(c)
         seen.discard(start)
-        found[start] = tuple(sorted(seen))
-    return {k: v for k, v in found.items() if v}
+        if seen:
+            also[start] = tuple(sorted(seen))
+    return also, merged
 
 
 def _storage_edges(program: Program, g: _Numbered, seq: list[int], ops: list[Op]) -> None:
     """`storage` and `free` edges: per storage, the last writer (or free) and the readers since;
     a reader follows the last writer, a writer follows the readers since (or, with none, the
     last writer). Each access costs O(1). Storages are their roots' numbers."""
-    roots, vias, also = _roots_in_order(program, g, seq, ops)
+    roots, vias, also, merged = _roots_in_order(program, g, seq, ops)
     add, names, operand_numbers, find = g.add, g.names, g.operands, g.find
+    maybe_written: dict[int, int] = {}  # (a write's) storage it may be -> the one written
     if also:  # some result may share other storages: its accesses are theirs too
         operand_numbers = _maybe_accesses(g, seq, roots, vias, also)
     last_write: dict[int, int] = {}
@@ -513,7 +550,9 @@ def _storage_edges(program: Program, g: _Numbered, seq: list[int], ops: list[Op]
             elif root in last_write:
                 add(last_write[root], k, why)
             last_write[root] = k
-            if is_free and not maybe:  # (freeing what may be another storage frees nothing known of it)
+            # (freeing what may be another storage frees nothing known of it; nor does a free of a
+            # storage merged with others, `_maybe_links`)
+            if is_free and not maybe and not (merged and root in merged):
                 freed[root] = k
             if type(op) is Launch:  # an in-place collective (all_reduce_, an `out=` gather) writes until its wait
                 writing[root] = k

@@ -490,3 +490,54 @@ def test_unshard_keeps_the_regather_of_a_replica_written_through_a_result_that_m
     plain = parse_program(UNSHARD.replace(" {may_alias = [%v]}", ""))
     PassManager("unshard{max-peak-increase-gb=0.0001}").run(plain)
     assert "rag" not in plain.graph  # without may_alias it unshards: the check above can fail
+
+
+def _chain(links: int) -> fx.GraphModule:
+    """h = f(h, w_i) for `links` calls fxsched cannot see into (returning h, or w_i, in turn: a
+    wrapped layer function through a deep model), with in-place writes of the inputs and of h
+    between them and reads of each result."""
+    def build(g):
+        x = g.placeholder("x")
+        ws = [g.placeholder(f"w{i}") for i in range(links)]
+        h, outs = x, []
+        for i, w in enumerate(ws):
+            h = g.call_function(returns_first if i % 2 else views_second, (h, w))
+            outs.append(g.call_function(operator.mul, (h, i + 1)))
+            if i % 5 == 1:
+                g.call_method("add_", (ws[i - 1], 1))
+            if i % 7 == 3:
+                g.call_method("mul_", (h, 2))
+        g.call_method("add_", (x, 3))
+        g.output((*outs, g.call_function(operator.mul, (x, 1)), *(g.call_function(operator.neg, (w,)) for w in ws)))
+
+    return _graph(build)
+
+
+@pytest.mark.parametrize("links", [12, 40])
+def test_a_chain_of_such_calls_keeps_its_numbers_and_stays_linear(links):
+    """12 links: each result may be every storage before it (exact); 40: past `MAYBE_LIMIT` the
+    linked storages are merged into one (each access costs one storage, not the chain's length).
+    Either way random legal orders compute the input's numbers."""
+    from fxsched.ir import effects
+
+    torch.manual_seed(2)
+    inputs = [torch.randn(4) for _ in range(links + 1)]
+    gm = _chain(links)
+    direct = [(k, [k - 1, 1000 + k]) for k in range(1, links + 1)]
+    also, merged = effects._maybe_links(direct)
+    if links * 2 + 1 > effects.MAYBE_LIMIT + 1:
+        assert not also and len(set(merged.values())) == 1 and len(merged) == 2 * links
+    else:
+        assert not merged and len(also[links]) == 2 * links
+    assert_random_legal_orders_compute_the_same(gm, inputs, count=40, seed=5)
+
+
+def test_a_forward_reference_to_a_result_that_may_alias_parses_and_verify_names_it():
+    """Hand-written text may refer forward (the roots then come from `storage_roots`): the
+    may_alias links are found there too (%v, a read of what may be x, precedes %r's write of x),
+    and verify names the cycle that makes with the data edge."""
+    with pytest.raises(VerifyError, match=r"cycle: %r -> %v -> %r"):
+        verify(parse_program('%x = input\n^entry\n%v = view "aten.view"(%r)\n'
+                             '%r = compute "m"(%x) {writes = [%x], may_alias = [%x]}\n'
+                             '%w = compute "aten.add_.Tensor"(%x) {writes = [%x], alias = %x}\n'
+                             '%a = compute "aten.neg"(%v)\n%output = output(%a, %w)\n'))
