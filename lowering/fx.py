@@ -705,6 +705,12 @@ class _Lowering:
         if self.opaque(node):
             reason = ("coalesced collective whose results are not each waited once" if info.coalesced
                       else "collective not waited exactly once")
+            if info.coalesced and info.result_alias is not None:
+                # an in-place coalesced one (`all_reduce_coalesced_(inputs) -> Tensor[](a!)`) returns
+                # its list: each getitem of the result is that input (`result_item`)
+                given = self.argument(node, info.schema, info.result_alias)
+                if isinstance(given, (list, tuple)):
+                    self.results[name] = tuple(given)
             self.notes.append(f"%{node.name}: {target}: {reason}: kept in place, in order with group {group!r}")
             return Opaque.make(name, operands, phase, types, target=target, group=group,
                                group_size=_group_size(node, info), reason=reason, writes=writes, alias=alias)

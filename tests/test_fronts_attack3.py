@@ -159,9 +159,25 @@ def _in_place_launch_result_read_twice(g):
     _pad(g, [a, g.call_function(_aten.mul.Tensor, (x, 2))])
 
 
+def _in_place_coalesced_results_are_its_inputs(g):
+    """`all_reduce_coalesced_([x, y])` returns its list: its waited getitems are x and y, written
+    after by `y.add_`."""
+    import operator
+
+    x, y = g.placeholder("x"), g.placeholder("y")
+    before = g.call_function(_aten.mul.Tensor, (y, 2))
+    r = g.call_function(_c10d.all_reduce_coalesced_.default, ([x, y], "sum", "0"))
+    a = g.call_function(_c10d.wait_tensor.default, (g.call_function(operator.getitem, (r, 0)),))
+    b = g.call_function(_c10d.wait_tensor.default, (g.call_function(operator.getitem, (r, 1)),))
+    g.call_function(_aten.add_.Tensor, (y, 1))
+    _pad(g, [before, g.call_function(_aten.mul.Tensor, (a, 2)), g.call_function(_aten.mul.Tensor, (b, 3)),
+             g.call_function(_aten.mul.Tensor, (y, 4))])
+
+
 _COLLECTIVE_RESULTS = {f.__name__.strip("_"): f for f in (
     _all_to_all_result_read_by_name, _wait_result_written_launch_read, _launch_result_written_wait_read,
-    _coalesced_result_taken_twice, _in_place_launch_result_read_twice)}  # the first reads rank data
+    _coalesced_result_taken_twice, _in_place_launch_result_read_twice,
+    _in_place_coalesced_results_are_its_inputs)}  # the first reads rank data
 
 
 def test_a_collective_whose_result_is_also_read_by_name_is_opaque_and_its_wait_is_its_result():
@@ -185,8 +201,9 @@ def test_collectives_whose_results_are_read_by_name_in_random_legal_orders_are_b
     the launch's result is read by name besides its wait (dynamo-level and hand-built graphs; the
     launch is then opaque and the wait a wait on no launch), a write through one crossed a read of
     the other: of 20 random legal orders, 8 (all_to_all_single), 10 and 17 (all_reduce), 2
-    (all_reduce_coalesced) and 14 (all_reduce_) computed other numbers. Every one now computes the
-    input's numbers on 2 gloo ranks."""
+    (all_reduce_coalesced) and 14 (all_reduce_) computed other numbers. An in-place coalesced one
+    (`all_reduce_coalesced_`, always opaque) returns its list, and its getitems were fresh storage
+    (15 of 20). Every one now computes the input's numbers on 2 gloo ranks."""
     from fxsched.runtime import run_ranks
 
     from ranks import check_bitwise, run_all
@@ -291,3 +308,158 @@ def test_a_users_triton_kernel_writes_the_tensors_it_is_given_in_tuples_and_does
     name = "triton_kernel_wrapper_functional" if functional else "triton_kernel_wrapper_mutation"
     assert set(lower(gm).op(name).writes) == ({"x", "y"} if functional else {"x", "y", "o"})
     assert_every_legal_order_computes_the_same(gm, [torch.ones(2), torch.ones(2), torch.ones(2)])
+
+
+# --------------------------------------------------------------------------- torch.compile's functional graphs (nothing found)
+
+
+@torch.library.custom_op("fxsched_attack3::scale_", mutates_args=("x",))
+def _scale_(x: torch.Tensor, s: float) -> None:
+    x.mul_(s)
+
+
+@torch.library.custom_op("fxsched_attack3::bump", mutates_args=())
+def _bump(x: torch.Tensor) -> torch.Tensor:
+    """Effectful (registered ORDERED below): adds into a tensor no graph names."""
+    _BUMPED.add_(x)
+    return _BUMPED.clone()
+
+
+_BUMPED = torch.zeros(4)
+
+
+@_bump.register_fake
+def _(x):
+    return torch.empty_like(x)
+
+
+_bump.register_effect(__import__("torch._library.effects", fromlist=["EffectType"]).EffectType.ORDERED)
+
+
+class _Compiled(torch.nn.Module):
+    def __init__(self, kind):
+        super().__init__()
+        self.kind = kind
+        self.register_buffer("buf", torch.arange(8.0))
+
+    def forward(self, x, y):
+        a = x * 2
+        if self.kind == "auto_functionalized_v2 of an input":
+            _scale_(x, 3.0)
+        elif self.kind == "auto_functionalized_v2 of a view of an input":
+            _scale_(x[1:3], 3.0)
+        elif self.kind == "auto_functionalized_v2 of a buffer":
+            _scale_(self.buf[2:6], 5.0)
+        elif self.kind == "with_effects":
+            a = a + _bump(x[:4]).sum() + _bump(y[:4] * 2).sum()
+            y.add_(1)
+            a = a + _bump(y[:4]).sum()
+        elif self.kind == "invoke_subgraph":
+            a = _region(_region(a, y), y)
+        return a, x * 3, y + self.buf, torch.sin(torch.ones(3))
+
+
+@torch.compiler.nested_compile_region
+def _region(x, y):
+    return torch.tanh(x * y) + x
+
+
+@pytest.mark.parametrize("kind", ["auto_functionalized_v2 of an input", "auto_functionalized_v2 of a view of an input",
+                                  "auto_functionalized_v2 of a buffer", "with_effects", "invoke_subgraph"])
+def test_torch_compiles_graphs_of_mutating_effectful_and_nested_calls_keep_their_numbers(kind, monkeypatch):
+    """The graph AOTAutograd hands a backend (what fxsched's Inductor pass reads) for a custom op
+    that mutates an input, a view of one or a buffer (`auto_functionalized_v2` with `_all_bases`,
+    and the `copy_` of the input mutation at the end), an effectful op (`with_effects` and its
+    tokens) and `nested_compile_region` (`invoke_subgraph`): random legal orders compute the
+    graph's numbers (nothing found: these pin it)."""
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+
+    import test_fronts_attack2
+
+    run = test_fronts_attack2._run
+
+    def run_from_zero(gm, inputs):  # each run's effects start from the same state
+        _BUMPED.zero_()
+        return run(gm, inputs)
+
+    monkeypatch.setattr(test_fronts_attack2, "_run", run_from_zero)
+
+    captured = []
+
+    def capture(gm, inputs):
+        captured.append(gm)
+        return make_boxed_func(gm.forward)
+
+    torch._dynamo.reset()
+    compiled = torch.compile(_Compiled(kind), fullgraph=True,
+                             backend=aot_autograd(fw_compiler=capture, keep_inference_input_mutations=True))
+    with torch.no_grad():
+        compiled(torch.randn(8), torch.randn(8))
+    (gm,) = captured
+    targets = {str(n.target) for n in gm.graph.nodes}
+    assert kind.split(" ")[0] in " ".join(targets)
+    inputs = [torch.randn(tuple(n.meta["val"].shape)) for n in gm.graph.find_nodes(op="placeholder")]
+    test_fronts_attack2.assert_random_legal_orders_compute_the_same(gm, inputs, count=30)
+
+
+# --------------------------------------------------------------------------- torchtitan's graphs (nothing found)
+
+
+def _titan_orders_worker(rank, world_size, count, bucketed):
+    """On one rank: llama3's debug model traced by torchtitan's graph trainer (SimpleFSDP,
+    rematerialised; `bucketed`: then torchtitan's own bucketing and reordering), its step run in
+    the traced order and in `count` seeded random legal orders of its lowered program (the same
+    orders on every rank); the indices of the orders that computed other numbers."""
+    import os
+    import sys
+
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from fxsched.ir.program import Schedule
+    from fxsched.raising import raise_program
+
+    from test_fronts_attack import _random_orders
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench"))
+    from titan import build_llama3, joint_bucketing, rematerialise, run_step, trace_step
+
+    torch.set_num_threads(1)
+    if bucketed:  # torchtitan's pass asks triton's GPU driver for the device's numbers: give it a profile's
+        from fxsched.cost import Roofline, hardware
+
+        from peers import setup_inductor
+
+        hw = Roofline(hardware("h100")).hw
+        setup_inductor(hw.hbm_gbps, hw.tflops("f32"))
+    mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("fsdp",))
+    model, inputs = build_llama3(mesh, layers=2)
+    traced = rematerialise(trace_step(model, inputs))
+    if bucketed:
+        traced = joint_bucketing(traced, 2, reorder=True)
+    plain = run_step(traced, model, inputs)
+    program = lower(traced.gm)
+    wrong = []
+    for k, order in enumerate(_random_orders(program, count, 0)):
+        program.schedule = Schedule(order)
+        traced.gm = raise_program(program)
+        if not all(torch.equal(a, b) for a, b in zip(plain, run_step(traced, model, inputs), strict=True)):
+            wrong.append(k)
+    return {"wrong": wrong, "ops": len(program.graph), "loss": plain[0]}
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("bucketed", [False, True], ids=["rematerialised", "torchtitan-bucketed"])
+def test_torchtitans_llama3_step_in_random_legal_orders_is_bitwise_on_two_ranks(bucketed):
+    """torchtitan's graph trainer's joint step of llama3 (SimpleFSDP's gathers and reduce-scatters,
+    backward re-gathers; then torchtitan's own buckets: `all_gather_into_tensor_out` into packed
+    buffers and their copy-outs) in 30 random legal orders of the lowered program computes the
+    traced step's loss and gradients bitwise on 2 gloo ranks (nothing found: this pins it)."""
+    pytest.importorskip("torchtitan.experiments.graph_trainer")
+    from fxsched.runtime import run_ranks
+
+    results = run_ranks(_titan_orders_worker, 2, args=(30, bucketed), timeout=900)
+    for rank, r in enumerate(results):
+        assert r["wrong"] == [], f"rank {rank}: random legal orders {r['wrong']} computed other numbers"
+        assert r["ops"] > 700
+    assert results[0]["loss"].item() != 0.0
