@@ -597,7 +597,7 @@ def _forward_writers(closure: list[fx.Node], members: set[fx.Node], gathered: se
                 why = f"it reads {others}, another parameter's gathered storage, freed by then"
         if why:
             raise ValueError(
-                f"%{w.name} ({w.target}) writes parameter {name!r}'s gathered storage in the forward, "
+                f"%{w.name} ({w.target}) writes the gathered storage of parameter {name!r} in the forward, "
                 f"which the backward reads: resharding would re-gather it and replay the write, but {why}; "
                 "use reshard_after_forward=False"
             )

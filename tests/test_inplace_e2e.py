@@ -302,9 +302,10 @@ def test_a_parameter_written_in_place_in_the_forward_traces_schedules_and_matche
 
 
 def test_a_forward_write_of_a_parameter_that_cannot_be_replayed_is_refused_by_the_front():
-    """A random in-place write of a parameter in the forward (`uniform_`), read by the backward:
-    a replay after the re-gather would draw other numbers, so the front names the op and the way
-    out (reshard_after_forward=False), which traces."""
+    """A random in-place write of a parameter in the forward (`uniform_`), or one reading another
+    parameter's gathered buffer (`l2.weight[:3].add_(l3.weight)`), read by the backward: a replay
+    after the re-gather would draw other numbers, or read a freed buffer, so the front names the
+    op and the way out (reshard_after_forward=False, which traces)."""
     class Redraws(nn.Module):
         def __init__(self):
             super().__init__()
@@ -317,7 +318,22 @@ def test_a_forward_write_of_a_parameter_that_cannot_be_replayed_is_refused_by_th
             return self.l2(h)
 
     loss = lambda m, x: m(x).square().sum()  # noqa: E731
-    with pytest.raises(ValueError, match=r"%uniform_ \(aten.uniform_.default\) writes parameter 'l2.weight'"
-                                         r"'s gathered storage .* it is random .*reshard_after_forward=False"):
+    with pytest.raises(ValueError, match=r"%uniform_ \(aten.uniform_.default\) writes the gathered storage of "
+                                         r"parameter 'l2.weight' .* it is random .*reshard_after_forward=False"):
         fsdp_joint_graph(Redraws(), (torch.randn(5, 4),), loss, WORLD)
     fsdp_joint_graph(Redraws(), (torch.randn(5, 4),), loss, WORLD, reshard_after_forward=False)
+
+    class AddsAnother(Redraws):  # l2's weight += l3's: l3's gathered buffer is freed when l2's write is replayed
+        def __init__(self):
+            super().__init__()
+            self.l2, self.l3 = nn.Linear(8, 8), nn.Linear(8, 3)
+
+        def forward(self, x):
+            h = torch.tanh(self.l1(x))
+            with torch.no_grad():
+                self.l2.weight[:3].add_(self.l3.weight)
+            return self.l3(torch.tanh(self.l2(h)))
+
+    with pytest.raises(ValueError, match=r"%add_ \(aten.add_.Tensor\) writes the gathered storage of parameter "
+                                         r"'l2.weight' .* it reads \['%?view_\d+'\], another parameter's gathered"):
+        fsdp_joint_graph(AddsAnother(), (torch.randn(5, 4),), loss, WORLD)
