@@ -49,6 +49,10 @@ UNDECLARED_WRITES = {name: ("running_mean", "running_var") for name in (
 #: gloo ranks
 UNDECLARED_WRITES["_c10d_functional::irecv"] = ("tensor",)
 UNDECLARED_RESULT = {"_c10d_functional::irecv": "tensor"}
+#: Inductor's own ops that return a view of their first argument without saying so in their schema
+#: (`inductor::_reinterpret_tensor(Tensor self, int[] size, int[] stride, ...) -> Tensor`, and
+#: `_alloc_from_pool(Tensor self, int offset_bytes, ...)`, a view into a pool buffer)
+UNDECLARED_VIEWS = frozenset({"inductor::_reinterpret_tensor", "inductor::_alloc_from_pool"})
 #: FSDP2's copy-in (`fsdp::all_gather_copy_in(Tensor[] all_gather_inputs, Tensor all_gather_output, ...)
 #: -> (Tensor, Tensor)`, what torch.compile traces of fully_shard) copies the inputs into
 #: all_gather_output and returns a narrow view of it and it; its schema says neither
@@ -370,6 +374,8 @@ def _classify(op: str, target) -> _Target:
     short = name.rsplit(".", 1)[-1]
     module = (getattr(target, "__module__", None) or "") if call else ""
     may_copy = view and schema is not None and _composite(schema)
+    if schema is not None and schema.name in UNDECLARED_VIEWS:
+        view, may_copy = True, False
     if schema is not None and schema.name == "aten::_unsafe_view":
         # a view without the alias annotation (so autograd treats its result as fresh); what
         # it does to storage is a view's: read it as one that may copy, decided by meta["val"]
