@@ -213,7 +213,15 @@ def _copier(graph: fx.Graph):
     and nodes map to nodes): that walk, through torch's pytree, was a third of raising at 100k
     nodes. Names, the insert point, the lookup table and node count are kept as create_node
     keeps them. A graph whose module has create-node hooks, or a torch without these
-    internals, gets create_node itself."""
+    internals, gets create_node itself.
+
+    Where this torch's namespace and lookup table are the ones `_fast_internals` checked, the
+    three torch calls per node around Node() are done here (a quarter of raising, at 10k nodes
+    as at 100k): a name that is a valid identifier, not a builtin and not taken is kept as
+    `create_name` keeps it (`_kept_name`), with no regular expression; the lookup table's
+    bucket of each (op, target) is found once, not by hashing the target per node (an op
+    overload's hash is a Python call); the node is associated with its name as
+    `associate_name_with_obj` does."""
     try:
         namespace, insert, table = graph._graph_namespace, graph._insert, graph._find_nodes_lookup_table
         graph._len  # noqa: B018  (checked here, incremented below)
@@ -222,17 +230,96 @@ def _copier(graph: fx.Graph):
     if getattr(graph.owning_module, "_create_node_hooks", None):
         return graph.create_node
     create_name, associate, add = namespace.create_name, namespace.associate_name_with_obj, table.insert
+    if not _fast_internals(namespace, table):  # pragma: no cover  (another torch)
+        def create(op, target, args, kwargs, name, type_expr) -> fx.Node:
+            name = create_name(name, None)
+            node = Node(graph, name, op, target, args or (), kwargs or immutable_dict(), type_expr)
+            associate(name, node)
+            insert(node)
+            add(node)
+            graph._len += 1
+            return node
+
+        return create
+
+    used, counts, owners, buckets_by_key = namespace._used_names, namespace._base_count, namespace._obj_to_name, table.table
+    illegal = _ILLEGAL_NAMES
+    buckets: dict[tuple[str, int], dict] = {}  # (op, id(target)) -> the table's bucket (the graph holds each target)
 
     def create(op, target, args, kwargs, name, type_expr) -> fx.Node:
-        name = create_name(name, None)
+        if name not in used and name not in illegal and name.isascii() and name.isidentifier():
+            _kept_name(name, used, counts)
+        else:
+            name = create_name(name, None)
         node = Node(graph, name, op, target, args or (), kwargs or immutable_dict(), type_expr)
-        associate(name, node)
+        if owners.setdefault(node, name) is not name:  # (associate_name_with_obj)
+            raise AssertionError("obj is already associated")
         insert(node)
-        add(node)
+        key = (op, id(target))
+        bucket = buckets.get(key)
+        if bucket is None:  # (_FindNodesLookupTable.insert: its key is the node's op and target)
+            bucket = buckets[key] = buckets_by_key[(op, target if op == "call_function" else None)]
+        bucket[node] = None
         graph._len += 1
         return node
 
     return create
+
+
+def _kept_name(name: str, used: set[str], counts: dict[str, int]) -> None:
+    """What `_Namespace.create_name(name, None)` records for a name it keeps: an ASCII
+    identifier, not taken (`used`) and no builtin or keyword (`_illegal_names`). Its regular
+    expression `^([a-zA-Z_][0-9a-zA-Z_]*?)(?:_(\\d+))?$` matches such a name, splitting it into
+    a base and, where the name ends in `_` and ASCII digits after a non-empty base, a number;
+    a name not taken is kept, and the base's count set to the number, or (no number) to the
+    count it had, 0 when none."""
+    head, _, tail = name.rpartition("_")
+    if head and tail.isdigit():
+        counts[head] = int(tail)
+    else:
+        counts[name] = counts.get(name, 0)
+    used.add(name)
+
+
+try:  # torch-internal: the names a generated name may not shadow, and what `_kept_name` mirrors
+    from torch.fx.graph import _FindNodesLookupTable, _Namespace, _illegal_names as _ILLEGAL_NAMES, _name_regex
+except ImportError:  # pragma: no cover  (another torch)
+    _FindNodesLookupTable = _Namespace = _ILLEGAL_NAMES = _name_regex = None
+
+_NAME_PATTERN = r"^([a-zA-Z_][0-9a-zA-Z_]*?)(?:_(\d+))?$"
+_SAMPLE_NAMES = ("x", "x_1", "x_1", "x", "x_01", "a_b_2", "_1", "__1", "_", "a_", "a__", "ab_12_", "x_1a",
+                 "sum", "input", "def", "x_2", "mm", "mm_7", "mm", "y1", "1y", "a-b", "é", "t_٣", "x_3")
+_FAST_CHECKED: list[bool] = []
+
+
+def _fast_internals(namespace, table) -> bool:
+    """Whether `_copier` may stand in for this torch's create_name, associate_name_with_obj and
+    lookup-table insert: the namespace and table are torch's own classes, with the internals
+    they had where `_kept_name` was written from create_name, and once per process `_kept_name`
+    and create_name are run side by side on names of each case (kept, numbered, taken,
+    builtin, keyword, invalid, non-ASCII) and leave the same names and the same state."""
+    if (_Namespace is None or type(namespace) is not _Namespace or type(table) is not _FindNodesLookupTable
+            or not isinstance(getattr(namespace, "_used_names", None), set)
+            or not isinstance(getattr(namespace, "_base_count", None), dict)
+            or not isinstance(getattr(namespace, "_obj_to_name", None), dict)
+            or not isinstance(getattr(table, "table", None), dict)
+            or getattr(_name_regex, "pattern", None) != _NAME_PATTERN):
+        return False
+    if not _FAST_CHECKED:
+        theirs, ours = _Namespace(), _Namespace()
+        same = True
+        for name in _SAMPLE_NAMES:
+            expected = theirs.create_name(name, None)
+            if (name not in ours._used_names and name not in _ILLEGAL_NAMES and name.isascii()
+                    and name.isidentifier()):
+                _kept_name(name, ours._used_names, ours._base_count)
+                got = name
+            else:
+                got = ours.create_name(name, None)
+            same = same and got == expected
+        _FAST_CHECKED.append(same and theirs._used_names == ours._used_names
+                             and theirs._base_count == ours._base_count)
+    return _FAST_CHECKED[0]
 
 
 def _build(graph: fx.Graph, op, call: Call, value) -> fx.Node:

@@ -9,6 +9,7 @@ module's create-node hooks; and raising's check of the new graph to what `Graph.
 from __future__ import annotations
 
 import operator
+import random
 
 import pytest
 import torch
@@ -42,6 +43,40 @@ def test_copy_is_what_create_node_builds():
         if node.op == "call_function":
             assert node in raised.find_nodes(op="call_function", target=node.target)
     raised.lint()
+    # the namespace and lookup table as create_node leaves them (names kept by `_kept_name`,
+    # buckets found once per target)
+    ours, theirs = raised._graph_namespace, by_fx._graph_namespace
+    assert ours._used_names == theirs._used_names and ours._base_count == theirs._base_count
+    assert sorted(ours._obj_to_name.values()) == sorted(theirs._obj_to_name.values())
+    assert all(ours._obj_to_name[n] is n.name for n in raised.nodes)
+    # (empty buckets aside: find_nodes makes one for what it is asked, and raising's check asks)
+    assert [(k, [n.name for n in v]) for k, v in raised._find_nodes_lookup_table.table.items() if v] == \
+        [(k, [n.name for n in v]) for k, v in by_fx._find_nodes_lookup_table.table.items() if v]
+
+
+def test_kept_names_are_what_create_name_gives():
+    # `_kept_name` stands in for torch's create_name where a name is kept: on names of every
+    # shape (numbered, taken, builtin, keyword, invalid, non-ASCII digits or letters), in one
+    # namespace after another, the same names and the same namespace state
+    from torch.fx.graph import _illegal_names, _Namespace
+
+    from fxsched.raising.fx import _kept_name
+
+    rng = random.Random(0)
+    atoms = ["a", "b", "_", "1", "2", "0", "x_", "_3", "sum", "input", "def", "é", "٣", "-", "mm"]
+    for _ in range(200):
+        theirs, ours = _Namespace(), _Namespace()
+        for _ in range(30):
+            name = "".join(rng.choice(atoms) for _ in range(rng.randint(1, 4)))
+            expected = theirs.create_name(name, None)
+            if (name not in ours._used_names and name not in _illegal_names and name.isascii()
+                    and name.isidentifier()):
+                _kept_name(name, ours._used_names, ours._base_count)
+                got = name
+            else:
+                got = ours.create_name(name, None)
+            assert got == expected, name
+            assert ours._used_names == theirs._used_names and ours._base_count == theirs._base_count, name
 
 
 def test_copy_keeps_the_namespace():
