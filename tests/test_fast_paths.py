@@ -61,7 +61,7 @@ def test_plan_waits_runs_are_the_whole_order_walk(seed):
 
     program = lower(generate_graph(2000, seed=seed))
     names = program.schedule.names()
-    launches = [n for n, op in launches_and_waits(program, names).items()
+    launches = [n for n, op in launches_and_waits(program).items()
                 if isinstance(op, Launch) and op.role is Role.REDUCE_SCATTER]
     launch_of = {w: launch for launch in launches for w in waits_of(program, launch)}
     rnd = random.Random(seed)
