@@ -25,6 +25,8 @@ def _values(cls) -> dict:
             values[f.name] = True
         elif "int" in str(f.type):
             values[f.name] = 7
+        elif f.converter is tuple:  # (`make` takes a field as given: a tuple field is given a tuple)
+            values[f.name] = (f"{f.name}-value",)
         else:
             values[f.name] = f"{f.name}-value"
     return values
