@@ -76,7 +76,7 @@ class OverlapReduceScatter(ModulePass):
         for name in launches:
             for wait in sorted(waits_of(program, name), key=schedule.index):
                 tail = tails[wait] = _tail_of(program, wait)
-                tail_sunk += sink_in_order(program, sorted(tail, key=schedule.index), room)
+                tail_sunk += sink_in_order(program, tail, room)
         # what the other passes put right before or after its anchor or use (a gather's chain and
         # realization, a reduce-scatter's launch with its views, a reduced gradient's views and
         # casts): a wait never goes back in beside one, so that a second run finds each where it

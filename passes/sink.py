@@ -20,6 +20,7 @@ order) where a stack holds realization nodes of gathers whose order changed.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterable
 from operator import itemgetter
 
 from ..cost.model import CostAnalysis
@@ -55,20 +56,20 @@ class Sink(ModulePass):
         elif self.order == "wait":
             gathers = sorted(gathers, key=lambda g: min(map(pos, g.realization)))
         room = headroom(ctx, program)  # the joint peak-memory cap: a copy-out sunk keeps its bucket alive
-        sunk = sum(sink_in_order(program, sorted(g.realization, key=pos), room) for g in gathers)
+        sunk = sum(sink_in_order(program, g.realization, room) for g in gathers)
         if ctx.planned is not None:
             # after hide, a gather nobody reads (torchtitan's traces gather the embedding twice):
             # its wait would stall the compute where it is for nothing (the reference's sink,
             # like HyperParallel's, leaves it)
-            sunk += sum(sink_in_order(program, sorted(waits_of(program, name), key=pos), room, unread=True)
+            sunk += sum(sink_in_order(program, waits_of(program, name), room, unread=True)
                         for name in analysis.unconsumed)
         stats = {"sunk": sunk} if room is None else {"sunk": sunk, OVER_PEAK_CAP: room.refused}
         return PassResult(sunk > 0, stats)
 
 
-def sink_in_order(program: Program, nodes: tuple[str, ...] | list[str], room: Headroom | None = None,
+def sink_in_order(program: Program, nodes: Iterable[str], room: Headroom | None = None,
                   unread: bool = False) -> int:
-    """Sink `nodes` (in schedule order), latest first, each to just before the earliest of its
+    """Sink `nodes` (in any order), latest first, each to just before the earliest of its
     successors and of the next node that was sunk; nodes nobody reads stay (with `unread`, a wait
     nobody reads goes before its earliest successor), and so do nodes whose move would go over
     the peak cap (`room`). Returns the count."""
@@ -76,8 +77,12 @@ def sink_in_order(program: Program, nodes: tuple[str, ...] | list[str], room: He
     pos = schedule.index
     succ = program.successors  # the raw adjacency: networkx's views cost more than this loop
     sunk = 0
-    after = None
-    for name in reversed(nodes):
+    after = later = None  # the node handled before (the next in the order), and its position now
+    # Each node's position is read once, here: a move takes a node later than every node still
+    # to come, which so keep theirs; and the node handled before is where it was left, or just
+    # before the target it went to. (A position is a lookup in two tables of every name, a cache
+    # miss or more each at 100k nodes: read again per node, they were most of this loop.)
+    for here, name in sorted(zip(map(pos, nodes), nodes), reverse=True):
         nbrs = succ[name]
         if DATA not in map(_KIND, nbrs.values()):  # nobody reads it
             # a wait nobody reads (a gather whose result is unused) only stalls the compute where
@@ -85,18 +90,19 @@ def sink_in_order(program: Program, nodes: tuple[str, ...] | list[str], room: He
             # marker, a barrier, a free, the output); anything else stays
             if not (unread and nbrs and isinstance(program.op(name), Wait)):
                 continue
-        target = min(nbrs, key=pos)
-        at = pos(target)
-        if after is not None and (later := pos(after)) < at:
+        at, target = min(zip(map(pos, nbrs), nbrs))  # (positions differ: names are never compared)
+        if after is not None and later < at:
             target, at = after, later
-        if at > pos(name) + 1:
+        if at > here + 1:
             move = room.later(name, target) if room is not None else None
             if room is None or move is not None:
                 schedule.move_before([name], target)
                 sunk += 1
                 if move is not None:
                     move.take()
-        after = name
+                after, later = name, at - 1  # (the target moved up one as it left)
+                continue
+        after, later = name, here
     return sunk
 
 
