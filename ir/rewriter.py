@@ -98,7 +98,7 @@ class Rewriter:
         self.created = 0
         self.erased = 0
         self.replaced = 0
-        self._writer_cache: dict[str, frozenset[str]] = {}  # storage root -> its writers (see module doc)
+        self._writer_cache: dict[str, tuple] = {}  # storage root -> its writers, and more (`_writers`; module doc)
         self._maybe_cache: dict[str, tuple[str, ...]] = {}  # storage root -> `_maybe_set`
 
     # ---- create -----------------------------------------------------------------------
@@ -122,8 +122,9 @@ class Rewriter:
         program.schedule.insert_before(op.name, before)
         if isinstance(op, Free) or getattr(op, "writes", ()):  # a new writer of some storage
             self._writer_cache.clear()
-        if op.may_alias:  # a new storage that may be others
+        if op.may_alias:  # a new storage that may be others (and a new reader that may be its operands')
             self._maybe_cache.clear()
+            self._writer_cache.clear()
         try:  # its reads of existing storage keep their order with that storage's writes and free
             edges = [e for operand in dict.fromkeys(op.operands) for e in self._storage_order([op.name], operand)]
             if isinstance(op, Wait) and op.launched_by in program.graph:
@@ -324,10 +325,13 @@ class Rewriter:
         succ = program.graph._succ
         if not any(succ[u] for u in users) and not any(_writes(program, u, root) for u in users):
             # new reads only (nothing reads through them yet): only the storage's writers order them
-            fresh, others = set(users), self._writers(root)
+            others, maybe_readers = self._writers(root)
+            fresh = set(users)
             writes = dict.fromkeys(others, True)
         else:
             accessors = storage_readers(program, root)
+            node = program.graph._node
+            maybe_readers = [a for a in accessors if node[a]["op"].may_alias]
             fresh = set(users)
             for user in users:  # what reads the storage through a user that aliases it
                 fresh |= storage_readers(program, user) & accessors
@@ -342,9 +346,11 @@ class Rewriter:
                 if isinstance(program.op(first), Free) and not isinstance(program.op(then), Free):
                     raise RewriteError(f"%{then} would read storage that %{first} frees before it")
                 edges.append((first, then, "free" if isinstance(program.op(then), Free) else "storage"))
-        maybe = self._maybe_set(root)
-        if len(maybe) > 1 or any(program.op(u).may_alias for u in users):
-            edges += self._maybe_order(users, fresh, maybe)
+        if maybe_readers or program.op(root).may_alias or any(program.op(u).may_alias for u in users):
+            # (else no storage may be root's, nor root another: nothing more to order)
+            maybe = self._maybe_set(root)
+            if len(maybe) > 1 or any(program.op(u).may_alias for u in users):
+                edges += self._maybe_order(users, fresh, maybe)
         return edges
 
     def _maybe_set(self, root: str) -> tuple[str, ...]:
@@ -397,14 +403,17 @@ class Rewriter:
                 edges.append((first, then, "free" if isinstance(program.op(then), Free) else "storage"))
         return edges
 
-    def _writers(self, root: str) -> frozenset[str]:
-        """The ops that write or free `root`'s storage among its accessors (kept between edits)."""
-        writers = self._writer_cache.get(root)
-        if writers is None:
+    def _writers(self, root: str) -> tuple[frozenset[str], tuple[str, ...]]:
+        """The ops that write or free `root`'s storage among its accessors, and those of its
+        accessors with `may_alias` (whose result may be it: `_maybe_set`), kept between edits."""
+        found = self._writer_cache.get(root)
+        if found is None:
             program = self.program
-            writers = self._writer_cache[root] = frozenset(
-                a for a in storage_readers(program, root) if _writes(program, a, root))
-        return writers
+            node = program.graph._node
+            readers = storage_readers(program, root)
+            found = self._writer_cache[root] = (frozenset(a for a in readers if _writes(program, a, root)),
+                                                tuple(a for a in readers if node[a]["op"].may_alias))
+        return found
 
     # ---- erase ------------------------------------------------------------------------
     def erase(self, name: str) -> None:
