@@ -302,8 +302,8 @@ def verify_moves(program: Program, moved: set[str]) -> None:
         return
     pos = program.schedule.index
     problems = []
-    for name in sorted(moved, key=pos):
-        at = pos(name)
+    # (each moved node's position read once: a lookup costs a cache miss or more at 100k nodes)
+    for at, name in sorted(zip(map(pos, moved), moved)):  # positions differ: names are never compared
         for u, e in graph._pred[name].items():
             if pos(u) >= at:
                 problems.append(_broken(u, name, e))
