@@ -486,7 +486,8 @@ def _storage_edges(program: Program, g: _Numbered, seq: list[int], ops: list[Op]
             if writing:  # an in-place collective's write ends at its wait
                 for root in [r for r, by in writing.items() if by == launch]:
                     del writing[root]
-        elif type(op) is Opaque and op.reason == WAIT_ON_NO_LAUNCH and (launch := roots[operands[0]]) in in_flight:
+        elif (type(op) is Opaque and op.reason == WAIT_ON_NO_LAUNCH
+              and (launch := _completed_launch(program, g, operands[0], in_flight)) is not None):
             # a wait on an opaque collective's result completes it: the same read
             _collective_read(program, g, k, op, launch, in_flight, roots, last_write, readers, freed)
         is_free = isinstance(op, Free)
@@ -556,6 +557,23 @@ def _storage_edges(program: Program, g: _Numbered, seq: list[int], ops: list[Op]
                 freed[root] = k
             if type(op) is Launch:  # an in-place collective (all_reduce_, an `out=` gather) writes until its wait
                 writing[root] = k
+
+
+def _completed_launch(program: Program, g: _Numbered, number: int, in_flight: dict) -> int | None:
+    """The in-flight collective that a wait on no launch, given `number`, completes: that op, or
+    the op it views or aliases, and so on (an opaque in-place or `out=` collective's result aliases
+    the buffer it writes: its storage root is that buffer, not the collective). None if none."""
+    node, names, seen = program.graph._node, g.names, set()
+    while number < len(names) and number not in seen:
+        if number in in_flight:
+            return number
+        seen.add(number)
+        op = node[names[number]]["op"]
+        source = _source(op)
+        if source is None or source not in op.operands:
+            return None
+        number = g.operands[number][op.operands.index(source)]
+    return None
 
 
 def _maybe_accesses(g: _Numbered, seq: list[int], roots: list, vias: list,

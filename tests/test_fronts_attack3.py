@@ -249,6 +249,7 @@ def _random_collective_graph(seed: int):
     """A random program of functional collectives (launched, waited later, in place or not), views,
     in-place writes and reads, free of races: nothing reads a buffer a collective still writes, or
     writes one a collective still reads or writes."""
+    import operator
     import random
 
     from torch import fx
@@ -270,7 +271,25 @@ def _random_collective_graph(seed: int):
         k = rng.random()
         node, base, numel = pool[rng.randrange(len(pool))]
         if k < 0.3 and base not in busy_w():
-            kind = rng.choice(["all_reduce", "all_reduce_", "all_gather", "broadcast_", "all_to_all", "reduce_scatter"])
+            kind = rng.choice(["all_reduce", "all_reduce_", "all_gather", "broadcast_", "all_to_all", "reduce_scatter", "coalesced_", "coalesced", "gather_out"])
+            if kind in ("coalesced_", "coalesced"):
+                node2, base2, numel2 = pool[rng.randrange(len(pool))]
+                if base2 == base or base2 in busy_w() or (kind == "coalesced_" and (base in busy_r() or base2 in busy_r())):
+                    continue
+                op = c.all_reduce_coalesced_.default if kind == "coalesced_" else c.all_reduce_coalesced.default
+                r = g.call_function(op, ([node, node2], "sum", "0"))
+                for i, (b, n) in enumerate(((base, numel), (base2, numel2))):
+                    gi = g.call_function(operator.getitem, (r, i))
+                    if kind == "coalesced":
+                        nbase[0] += 1; b = nbase[0]
+                    pending.append((gi, {base, base2}, {b} if kind == "coalesced" else {base, base2}, (gi, b, n)))
+                continue
+            if kind == "gather_out":
+                buf = g.call_function(A.zeros.default, ([2 * numel],))
+                nbase[0] += 1
+                r = g.call_function(c.all_gather_into_tensor_out.default, (node, 2, "0"), {"out": buf})
+                pending.append((r, {base}, {nbase[0]}, (r, nbase[0], 2 * numel)))
+                continue
             if kind in ("all_reduce_", "broadcast_") and base in busy_r():
                 continue
             if kind == "all_reduce":
@@ -317,10 +336,13 @@ def _random_collective_graph(seed: int):
 @pytest.mark.multirank
 def test_random_programs_of_functional_collectives_in_random_legal_orders_are_bitwise_on_two_ranks():
     """60 random race-free programs of functional collectives (all_reduce, all_reduce_, broadcast_,
-    all_gather, all_to_all_single, reduce_scatter; each waited later, its result sometimes read by
-    name too), views, in-place writes and reads: 15 random legal orders of each compute its numbers
-    bitwise on 2 gloo ranks. On c6b72d3^'s lowering (before the opaque waits and in-place launches
-    returned what they are given) 11 of the 60 programs computed other numbers in some order."""
+    all_gather, an `out=` all_gather, all_to_all_single, reduce_scatter, all_reduce_coalesced and
+    its in-place form; each waited later, its result sometimes read by name too), views, in-place
+    writes and reads: 15 random legal orders of each compute its numbers bitwise on 2 gloo ranks.
+    On c6b72d3^'s lowering (before opaque waits and in-place launches returned what they are
+    given) 13 of the 60 programs computed other numbers in some order; after that fix, 2 (an
+    opaque `out=` gather's result aliased its buffer, so its wait on no launch no longer found the
+    collective it completes, and a write of the gather's input moved between them)."""
     from fxsched.runtime import run_ranks
 
     from ranks import run_all
