@@ -39,7 +39,7 @@ from torch._inductor.custom_graph_pass import CustomGraphPass
 
 from ..ir import Program, tags
 from ..lowering.structural import tag_fsdp_collectives, untag_fsdp_gathers
-from ..raising import raise_in_place, reorders_only
+from ..raising import raise_in_place, reorders_only, unordered_launches
 from ..raising.lint import lint
 from ..passes import DEFAULT_PIPELINE, PassManager
 
@@ -180,9 +180,12 @@ def schedule_graph_in_place(graph: fx.Graph, pipeline: str = DEFAULT_PIPELINE, *
         raise
     report = done.report  # (made anew on each read: its gathers table walks every op)
     anchors = {row["launch"]: row["anchor"] for row in report["gathers"] if row["moved"]}
+    unordered = set(unordered_launches(done.program))  # (a copy relinked by name has not their tags)
     for node in graph.nodes:
         if node.name in anchors:
             node.meta[tags.PREFETCH_ANCHOR] = anchors[node.name]
+        if node.name in unordered:
+            node.meta[tags.UNORDERED] = True
     owner.recompile()
     stats = report["passes"]
     return {

@@ -245,7 +245,9 @@ class Launch(Op):
     in the same order, whatever it is (as for the gathers, which keep no collective order).
     Its order against every other collective of its group, and against those of unknown group,
     is kept (`collective-order`, ir/effects.py). Set by `unorder-reduce-scatters` through
-    `Rewriter.unorder`, which updates the edges; never by lowering.
+    `Rewriter.unorder`, which updates the edges; raising writes it on the node
+    (`tags.UNORDERED`) and lowering reads it back where it may be set, so a raised graph
+    scheduled again keeps the freedom its schedule assumed.
     """
 
     target: str = ""

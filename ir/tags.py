@@ -16,6 +16,7 @@ BUCKET_COPY_OUT = "fsdp_bucket_copy_out"     # on an aten.clone: copies a member
 AUTOGRAD_BACKWARD = "autograd_backward"      # true: the node is in the backward phase
 BARRIER = "barrier"                          # true: nothing moves across this node
 PREFETCH_ANCHOR = "fsdp_prefetch_anchor"     # written on a moved gather: the node it launches before
+UNORDERED = "fsdp_unordered"                 # written true on a reduce-scatter marked unordered (Launch.unordered)
 STRUCTURAL = "fsdp_structural"               # written by structural tagging on what it tagged
 GRADIENT_REDUCTION = "fsdp_gradient_reduction"  # ... and the kind of a gradient reduction it found
 

@@ -158,6 +158,7 @@ class _Lowering:
         self.p2p_batches: set[str] = set()  # batch_p2p_ops calls (barriers, as their waits)
         self.several: list[tuple[str, tuple[str, ...]]] = []  # (op, operands) of views of several tensors
         self.returns: dict[int, list[int] | None] = {}  # id of a subgraph -> `returned_inputs`
+        self.unorder_tagged: list[fx.Node] = []  # nodes tagged `fsdp_unordered` (read back by `collective`)
         self.fake_mode = None  # the FakeTensorMode of the first val with storage (see `storage`)
         self.results: dict[str, tuple | list] = {}  # an op returning its arguments (or a getitem of its result) -> what it returns
         self.same: dict[str, str] = {}  # a getitem of such a result -> the argument it is
@@ -522,6 +523,8 @@ class _Lowering:
         target = info.name
         meta = node.meta
         comm_type = meta.get(tags.COMM_TYPE)
+        if meta.get(tags.UNORDERED):
+            self.unorder_tagged.append(node)
         if info.collective and (meta.get(tags.BARRIER) or comm_type in FREE_TAGS):
             # a collective (or its wait) turned into a barrier or free would leave its partner
             # unpaired: say which tag, not what the verifier makes of the result
@@ -717,13 +720,16 @@ class _Lowering:
         if comm_type in GATHER_TAGS:
             self.notes.append(f"%{node.name}: comm_type={comm_type!r} on {target}: not a gather, kept in order")
         role = Role.REDUCE_SCATTER if comm_type == REDUCE_SCATTER_TAG else None
+        # a raised graph's mark (`unorder-reduce-scatters` ran on it before), where it may be set
+        # (`Launch.may_unorder`); `_lower` notes a tag it ignores
+        unordered = role is Role.REDUCE_SCATTER and group is not None and bool(node.meta.get(tags.UNORDERED))
         self.launches.add(node.name)
         if info.coalesced:
             self.coalesced.add(node.name)
         self.launch_writes[node.name] = writes
         return Launch.make(name, operands, phase, types, target=target, group=group,
                            group_size=_group_size(node, info), role=role, writes=writes, alias=alias,
-                           reduce_op=_reduce_op(node, info))
+                           reduce_op=_reduce_op(node, info), unordered=unordered)
 
     def gather(self, node: fx.Node, target: str, role: Role, base: tuple) -> Launch:
         name, operands, phase, types = base
@@ -923,6 +929,12 @@ def _lower(gm: fx.GraphModule) -> Program:
     if lowering.late_forward:
         program.notes.append(f"{lowering.late_forward} untagged nodes after the first backward node: "
                              "treated as backward")
+    for node in lowering.unorder_tagged:
+        op = program.op(node.name)
+        if not getattr(op, "unordered", False):
+            lowering.notes.append(f"%{node.name}: {tags.UNORDERED}={node.meta[tags.UNORDERED]!r} on a {op.KIND} that "
+                                  "may not be unordered (only an FSDP gradient reduce-scatter of a known group, "
+                                  "comm_type=fsdp_reduce_scatter, may): ignored, kept in order")
     program.notes[:0] = lowering.notes
     program.schedule = Schedule(order)
     try:

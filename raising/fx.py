@@ -12,8 +12,8 @@ it can where the passes only reordered them (`reorders_only`; the torch.compile 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from itertools import repeat
-from operator import attrgetter, is_not, ne
+from itertools import compress, repeat
+from operator import attrgetter, is_not, itemgetter, ne
 from typing import Any
 
 from torch import fx
@@ -51,7 +51,9 @@ def raise_program(program: Program, *, lint: bool = True,
     op a pass created is built from its `Call` (see `_build`).
 
     `meta`: op name -> entries to add to its raised node's `meta` (the package face tags the
-    gathers a run moved so, without a walk of the raised graph to find their nodes)."""
+    gathers a run moved so, without a walk of the raised graph to find their nodes). Each
+    launch marked `unordered` is tagged so from the op itself (`unordered_launches`), so every
+    caller's raised graph says what its schedule assumed."""
     with gc_paused():
         return _raise(program, lint, meta or {})
 
@@ -59,7 +61,8 @@ def raise_program(program: Program, *, lint: bool = True,
 def raise_in_place(program: Program, *, lint: bool = True) -> fx.GraphModule:
     """Relink the lowered GraphModule's own nodes into schedule order (markers vanish) and return it.
 
-    Only the order changes: node objects, names, args and meta stay as they were. The module's
+    Only the order changes: node objects, names, args and meta stay as they were, but for the
+    tag each unordered launch's node gets (`unordered_launches`). The module's
     code is NOT regenerated here: call `recompile()` once the caller is done with the graph
     (the drop-in tags meta first, and one code generation is most of what it costs).
     `lint`: check what relinking can break, that every node comes after its inputs (a
@@ -80,7 +83,18 @@ def raise_in_place(program: Program, *, lint: bool = True) -> fx.GraphModule:
     root = graph._root
     for node in order:
         root.prepend(node)
+    payload = program.payload
+    for name in unordered_launches(program):
+        payload[name].meta[tags.UNORDERED] = True
     return source
+
+
+def unordered_launches(program: Program) -> list[str]:
+    """The launches marked `unordered` (`unorder-reduce-scatters`), which raising tags
+    `tags.UNORDERED` so that lowering the raised graph marks them again; in the graph's order,
+    picked out in C (none in a pipeline without the pass: no Python test per op)."""
+    ops = list(map(_OP, program.node_data.values()))
+    return [op.name for op in compress(ops, map(isinstance, ops, repeat(Launch))) if op.unordered]
 
 
 def _check_inputs_first(order: list[fx.Node]) -> None:
@@ -183,6 +197,8 @@ def _raise(program: Program, lint: bool, meta: Mapping[str, Mapping[str, Any]]) 
             raise RaisingError(f"input %{node.name} was renamed to {copy.name}")
     for name, entries in meta.items():
         value(name).meta.update(entries)
+    for name in unordered_launches(program):  # the op's own mark, whoever raises it (`_tags`)
+        value(name).meta[tags.UNORDERED] = True
     gm = _GraphModule(source, graph, class_name=type(source).__name__)
     gm.meta.update(source.meta)
     if lint:
@@ -205,6 +221,7 @@ def _lint_raised(gm: fx.GraphModule, create) -> None:
 
 
 _name, _graph = attrgetter("name"), attrgetter("graph")
+_OP = itemgetter("op")
 
 
 def _copier(graph: fx.Graph):
@@ -377,6 +394,8 @@ def _tags(op) -> dict:
                          tags.BUCKET_MEMBERS: list(op.params)})
         elif len(op.params) == 1:
             meta[tags.PARAM_NAME] = op.params[0]
+        if op.unordered:
+            meta[tags.UNORDERED] = True
     elif isinstance(op, CopyOut):
         meta[tags.BUCKET_COPY_OUT] = op.bucket
     return meta
