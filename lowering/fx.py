@@ -19,15 +19,15 @@ import attrs
 import torch
 from torch import fx
 
-from ..ir import (DTYPE_BYTES, Barrier, EffectError, Cast, Compute, Constant, CopyOut, Free, Input, Launch, Op, Opaque, Output, Phase, Program,
-                  Role, Schedule, TensorType, View, Wait, derive_effects, storage_candidates, storage_root)
+from ..ir import (DTYPE_BYTES, Barrier, Cast, Compute, Constant, CopyOut, EffectError, Free, Input, Launch, Op, Opaque,
+                  Output, Phase, Program, Role, Schedule, TensorType, View, Wait, derive_effects, storage_candidates)
 from ..ir.errors import InputError
 from ..ir.gcpause import gc_paused
 from ..ir.ops import WAIT_ON_NO_LAUNCH
 from ..ir.text import EXPLICIT
 from ..ir import tags
 from ..ir.holds import BUCKET_WITHOUT_MEMBERS, NO_PARAMETER_NAME
-from .targets import (FUNCTIONAL_HOPS, P2P_BATCH, TRITON_FUNCTIONAL, TRITON_MUTATION, _MODULES_RETURNING_INPUT,
+from .targets import (FUNCTIONAL_HOPS, P2P_BATCH, SYNCHRONOUS_COLLECTIVES, TRITON_FUNCTIONAL, TRITON_MUTATION, _MODULES_RETURNING_INPUT,
                       _PLAIN_ATTRIBUTES, _VIEW_ATTRIBUTES, _Target, _classify, _graph_draws, _graph_state, _graph_writes,
                       _random_module, _subgraphs, _updates_running_stats, _written_arguments, target_name,
                       triton_written)
@@ -706,7 +706,8 @@ class _Lowering:
             return Wait.make(name, operands, phase, types, target=target, writes=(source,) if launch_writes else (),
                              alias=source if launch_writes else None)
         if self.opaque(node):
-            reason = ("coalesced collective whose results are not each waited once" if info.coalesced
+            reason = ("synchronous collective" if info.schema.name in SYNCHRONOUS_COLLECTIVES
+                      else "coalesced collective whose results are not each waited once" if info.coalesced
                       else "collective not waited exactly once")
             if info.coalesced and info.result_alias is not None:
                 # an in-place coalesced one (`all_reduce_coalesced_(inputs) -> Tensor[](a!)`) returns

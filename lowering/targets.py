@@ -21,6 +21,11 @@ from ..ir.opclass import is_attention, is_heavy
 
 CAST_OPS = {"prims::convert_element_type", "aten::_to_copy"}
 COLLECTIVE_NAMESPACES = ("_c10d_functional", "c10d_functional")
+# Collectives outside those namespaces that run to completion when called (no wait; DTensor's
+# Shard(i) -> Shard(j) redistribution): lowered as opaque collectives of their group, kept in
+# place and in order with the group's other collectives (read as compute, a reorder could put
+# them on another side of a group's collective on one rank than on another)
+SYNCHRONOUS_COLLECTIVES = frozenset({"_dtensor::shard_dim_alltoall"})
 
 
 def target_name(node: fx.Node) -> str:
@@ -358,7 +363,8 @@ def _classify(op: str, target) -> _Target:
     if call:
         target = collective_overload(target) or target
     schema = getattr(target, "_schema", None) if call else None
-    collective = schema is not None and schema.name.split("::")[0] in COLLECTIVE_NAMESPACES
+    collective = schema is not None and (schema.name.split("::")[0] in COLLECTIVE_NAMESPACES
+                                         or schema.name in SYNCHRONOUS_COLLECTIVES)
     view = (call and target is operator.getitem) or (
         schema is not None and not schema.is_mutable and bool(schema.returns)
         and schema.returns[0].alias_info is not None and not schema.returns[0].alias_info.is_write)

@@ -28,7 +28,7 @@ from torch import fx
 from ..ir import Launch, Opaque
 from ..ir import tags
 from ..lowering.fx import value_types
-from ..lowering.targets import collective_overload, target_name
+from ..lowering.targets import SYNCHRONOUS_COLLECTIVES, collective_overload, target_name
 
 __all__ = ["ScheduleMismatch", "check_ranks_agree", "collective_entries", "compare_entries", "describe", "fingerprint"]
 
@@ -67,7 +67,7 @@ def _fx_collective(node: fx.Node) -> bool:
     if schema is None:
         return False
     namespace, _, name = schema.name.partition("::")
-    return namespace in _NAMESPACES and not name.startswith("wait")
+    return (namespace in _NAMESPACES and not name.startswith("wait")) or schema.name in SYNCHRONOUS_COLLECTIVES
 
 
 def _fx_arg(node: fx.Node, name: str):
