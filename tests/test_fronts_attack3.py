@@ -123,8 +123,6 @@ _aten = torch.ops.aten
 
 def _pad(g, outs):
     """Outputs, and work independent of the collectives (so that there are many orders)."""
-    import operator  # noqa: F401
-
     extra = [g.call_function(torch.sin, (g.call_function(torch.ones, (3,)),)),
              g.call_function(torch.cos, (g.call_function(torch.ones, (2,)),))]
     g.output(tuple(outs + extra))

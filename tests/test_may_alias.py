@@ -22,13 +22,13 @@ from torch import fx, nn
 from torch.fx.experimental.proxy_tensor import make_fx
 
 import fxsched
-from fxsched.ir import (Barrier, Compute, ParseError, VerifyError, maybe_storages, parse_program, print_program,
+from fxsched.ir import (Barrier, ParseError, VerifyError, maybe_storages, parse_program, print_program,
                         storage_candidates, verify)
 from fxsched.ir.rewriter import Rewriter
 from fxsched.lowering import lower
 
 from test_fronts_attack import _graph, _run, assert_every_legal_order_computes_the_same
-from test_fronts_attack2 import _raised_in_random_orders, assert_random_legal_orders_compute_the_same
+from test_fronts_attack2 import _invoke, _raised_in_random_orders, assert_random_legal_orders_compute_the_same
 
 
 # --------------------------------------------------------------------------- the calls
@@ -258,23 +258,12 @@ fx.node._side_effectful_functions.add(_noisy_identity)
 def test_a_subgraph_returning_a_call_that_may_return_its_input_aliases_that_input():
     """A higher-order op whose subgraph returns such a call's result on its one input: the op's
     result may be that input (`returned_inputs` reads may_alias), so it aliases it."""
-    from torch._higher_order_ops.invoke_subgraph import invoke_subgraph
 
     def body(g):
         a = g.placeholder("a")
         g.output((g.call_function(returns_first, (a, a)),))
 
-    root = nn.Module()
-    root.sub = _graph(body)
-
-    def build(g):
-        x = g.placeholder("x")
-        call = g.call_function(invoke_subgraph, (g.get_attr("sub"), "sub0", x))
-        r = g.call_function(operator.getitem, (call, 0))
-        g.call_method("add_", (x, 1))
-        g.output((g.call_function(operator.mul, (r, 3)), g.call_function(operator.neg, (x,))))
-
-    gm = _graph(build, root)
+    gm = _invoke(_graph(body))
     assert lower(gm).op("invoke_subgraph").alias == "x"
     assert_every_legal_order_computes_the_same(gm, [torch.randn(4)])
 
