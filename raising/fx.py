@@ -235,7 +235,7 @@ def _copier(graph: fx.Graph):
     Where this torch's namespace and lookup table are the ones `_fast_internals` checked, the
     three torch calls per node around Node() are done here (a quarter of raising, at 10k nodes
     as at 100k): a name that is a valid identifier, not a builtin and not taken is kept as
-    `create_name` keeps it (`_kept_name`), with no regular expression; the lookup table's
+    `create_name` keeps it (`_keep_name`), with no regular expression; the lookup table's
     bucket of each (op, target) is found once, not by hashing the target per node (an op
     overload's hash is a Python call); the node is associated with its name as
     `associate_name_with_obj` does."""
@@ -260,13 +260,10 @@ def _copier(graph: fx.Graph):
         return create
 
     used, counts, owners, buckets_by_key = namespace._used_names, namespace._base_count, namespace._obj_to_name, table.table
-    illegal = _ILLEGAL_NAMES
     buckets: dict[tuple[str, int], dict] = {}  # (op, id(target)) -> the table's bucket (the graph holds each target)
 
     def create(op, target, args, kwargs, name, type_expr) -> fx.Node:
-        if name not in used and name not in illegal and name.isascii() and name.isidentifier():
-            _kept_name(name, used, counts)
-        else:
+        if not _keep_name(name, used, counts):
             name = create_name(name, None)
         node = Node(graph, name, op, target, args or (), kwargs or immutable_dict(), type_expr)
         if owners.setdefault(node, name) is not name:  # (associate_name_with_obj)
@@ -283,22 +280,25 @@ def _copier(graph: fx.Graph):
     return create
 
 
-def _kept_name(name: str, used: set[str], counts: dict[str, int]) -> None:
-    """What `_Namespace.create_name(name, None)` records for a name it keeps: an ASCII
-    identifier, not taken (`used`) and no builtin or keyword (`_illegal_names`). Its regular
-    expression `^([a-zA-Z_][0-9a-zA-Z_]*?)(?:_(\\d+))?$` matches such a name, splitting it into
-    a base and, where the name ends in `_` and ASCII digits after a non-empty base, a number;
-    a name not taken is kept, and the base's count set to the number, or (no number) to the
-    count it had, 0 when none."""
+def _keep_name(name: str, used: set[str], counts: dict[str, int]) -> bool:
+    """Whether `_Namespace.create_name(name, None)` keeps `name` as it is, recording what it
+    records when so: it keeps an ASCII identifier not taken (`used`) and no builtin or keyword
+    (`_illegal_names`). Its regular expression `^([a-zA-Z_][0-9a-zA-Z_]*?)(?:_(\\d+))?$` matches
+    such a name, splitting it into a base and, where the name ends in `_` and ASCII digits after
+    a non-empty base, a number; the base's count is set to the number, or (no number) to the
+    count it had, 0 when none. False (nothing recorded): create_name must make the name."""
+    if name in used or name in _ILLEGAL_NAMES or not name.isascii() or not name.isidentifier():
+        return False
     head, _, tail = name.rpartition("_")
     if head and tail.isdigit():
         counts[head] = int(tail)
     else:
         counts[name] = counts.get(name, 0)
     used.add(name)
+    return True
 
 
-try:  # torch-internal: the names a generated name may not shadow, and what `_kept_name` mirrors
+try:  # torch-internal: the names a generated name may not shadow, and what `_keep_name` mirrors
     from torch.fx.graph import _FindNodesLookupTable, _Namespace, _illegal_names as _ILLEGAL_NAMES, _name_regex
 except ImportError:  # pragma: no cover  (another torch)
     _FindNodesLookupTable = _Namespace = _ILLEGAL_NAMES = _name_regex = None
@@ -312,7 +312,7 @@ _FAST_CHECKED: list[bool] = []
 def _fast_internals(namespace, table) -> bool:
     """Whether `_copier` may stand in for this torch's create_name, associate_name_with_obj and
     lookup-table insert: the namespace and table are torch's own classes, with the internals
-    they had where `_kept_name` was written from create_name, and once per process `_kept_name`
+    they had where `_keep_name` was written from create_name, and once per process `_keep_name`
     and create_name are run side by side on names of each case (kept, numbered, taken,
     builtin, keyword, invalid, non-ASCII) and leave the same names and the same state."""
     if (_Namespace is None or type(namespace) is not _Namespace or type(table) is not _FindNodesLookupTable
@@ -327,12 +327,7 @@ def _fast_internals(namespace, table) -> bool:
         same = True
         for name in _SAMPLE_NAMES:
             expected = theirs.create_name(name, None)
-            if (name not in ours._used_names and name not in _ILLEGAL_NAMES and name.isascii()
-                    and name.isidentifier()):
-                _kept_name(name, ours._used_names, ours._base_count)
-                got = name
-            else:
-                got = ours.create_name(name, None)
+            got = name if _keep_name(name, ours._used_names, ours._base_count) else ours.create_name(name, None)
             same = same and got == expected
         _FAST_CHECKED.append(same and theirs._used_names == ours._used_names
                              and theirs._base_count == ours._base_count)
