@@ -10,7 +10,6 @@ import logging
 import os
 from collections.abc import Iterator
 from itertools import compress, repeat
-from operator import itemgetter
 from typing import Any
 
 import attrs
@@ -122,12 +121,11 @@ def _moved_unheld(program: Program, earlier: frozenset[str]) -> Iterator[Launch]
 
 def _launches(program: Program, ordered: bool = True) -> Iterator[Launch]:
     """The program's launches in schedule order (`ordered=False`: in the graph's own order,
-    without a lookup per name), picked out in C (no Python test per op)."""
-    ops = list(program.ops() if ordered else map(_OP, program.node_data.values()))
+    `Program.ops_of`), picked out in C (no Python test per op)."""
+    if not ordered:
+        return iter(program.ops_of(Launch))
+    ops = list(program.ops())
     return compress(ops, map(isinstance, ops, repeat(Launch)))
-
-
-_OP = itemgetter("op")
 
 
 def schedule(gm: fx.GraphModule, pipeline: str = DEFAULT_PIPELINE, *, verify_each: bool = True,

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from bisect import bisect_right
 from collections.abc import Iterable, Iterator
-from itertools import chain, cycle, filterfalse
+from itertools import chain, compress, cycle, filterfalse, repeat
 from operator import attrgetter, itemgetter
 from typing import Any
 
@@ -476,6 +476,14 @@ class Program:
     def node_data(self) -> dict[str, dict]:
         """name -> {"op": Op}."""
         return self.graph._node
+
+    def ops_of(self, kinds: type | tuple[type, ...]) -> list[Op]:
+        """The ops that are `kinds`, in the node table's order (not the schedule's), picked out in
+        C: a lookup of each op by name in schedule order is a cache miss or two per node at 100k
+        nodes (40 ms), where the table's values are read in 9; a caller that needs the few it
+        picks in schedule order sorts them by position."""
+        ops = list(map(_OP, self.graph._node.values()))
+        return list(compress(ops, map(isinstance, ops, repeat(kinds))))
 
     def size(self) -> tuple[int, int]:
         """(ops, edges), counted off the adjacency (networkx's number_of_edges walks a view)."""

@@ -8,9 +8,6 @@ recomputes it after each pass to hold them to that).
 
 from __future__ import annotations
 
-from itertools import compress, repeat
-from operator import itemgetter
-
 import attrs
 
 from ..ir import DATA, Cast, CopyOut, Input, Launch, Phase, Program, View, Wait, holds, result_views, waits_of
@@ -59,8 +56,7 @@ class GatherAnalysis(Analysis):
         # the gathers' launches in schedule order: picked out of the node table in its own
         # order (in C), then sorted by position. A lookup per name in schedule order (a cache
         # miss or two per node at 100k nodes, 40 ms) cost more than the sort of the few gathers.
-        ops = list(map(itemgetter("op"), node.values()))
-        launches = [op for op in compress(ops, map(isinstance, ops, repeat(Launch))) if op.is_gather]
+        launches = [op for op in program.ops_of(Launch) if op.is_gather]
         launches.sort(key=lambda op: pos(op.name))
         for op in launches:
             name = op.name

@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
-from itertools import accumulate, compress, repeat
-from operator import attrgetter, itemgetter
+from itertools import accumulate, repeat
+from operator import attrgetter
 
 import attrs
 
@@ -52,8 +52,7 @@ class Hide(ModulePass):
         # 0.0 for an op left off the clock leaves every sum as it was
         names = schedule.names()
         get = ms.get
-        ops = list(map(itemgetter("op"), program.node_data.values()))
-        all_launches = list(compress(ops, map(isinstance, ops, repeat(Launch))))
+        all_launches = program.ops_of(Launch)
         off_clock = dict.fromkeys(chained, 0.0)
         off_clock.update(dict.fromkeys(map(_NAME, all_launches), 0.0))
         costs = list(map(off_clock.get, names, map(get, names, repeat(0.0))))

@@ -12,8 +12,8 @@ it can where the passes only reordered them (`reorders_only`; the torch.compile 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from itertools import compress, repeat
-from operator import attrgetter, is_not, itemgetter, ne
+from itertools import repeat
+from operator import attrgetter, is_not, ne
 from typing import Any
 
 from torch import fx
@@ -92,9 +92,8 @@ def raise_in_place(program: Program, *, lint: bool = True) -> fx.GraphModule:
 def unordered_launches(program: Program) -> list[str]:
     """The launches marked `unordered` (`unorder-reduce-scatters`), which raising tags
     `tags.UNORDERED` so that lowering the raised graph marks them again; in the graph's order,
-    picked out in C (none in a pipeline without the pass: no Python test per op)."""
-    ops = list(map(_OP, program.node_data.values()))
-    return [op.name for op in compress(ops, map(isinstance, ops, repeat(Launch))) if op.unordered]
+    picked out in C (`Program.ops_of`)."""
+    return [op.name for op in program.ops_of(Launch) if op.unordered]
 
 
 def _check_inputs_first(order: list[fx.Node]) -> None:
@@ -221,7 +220,6 @@ def _lint_raised(gm: fx.GraphModule, create) -> None:
 
 
 _name, _graph = attrgetter("name"), attrgetter("graph")
-_OP = itemgetter("op")
 
 
 def _copier(graph: fx.Graph):
