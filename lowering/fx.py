@@ -721,16 +721,18 @@ class _Lowering:
         if comm_type in GATHER_TAGS:
             self.notes.append(f"%{node.name}: comm_type={comm_type!r} on {target}: not a gather, kept in order")
         role = Role.REDUCE_SCATTER if comm_type == REDUCE_SCATTER_TAG else None
-        # a raised graph's mark (`unorder-reduce-scatters` ran on it before), where it may be set
-        # (`Launch.may_unorder`); `_lower` notes a tag it ignores
-        unordered = role is Role.REDUCE_SCATTER and group is not None and bool(node.meta.get(tags.UNORDERED))
         self.launches.add(node.name)
         if info.coalesced:
             self.coalesced.add(node.name)
         self.launch_writes[node.name] = writes
-        return Launch.make(name, operands, phase, types, target=target, group=group,
-                           group_size=_group_size(node, info), role=role, writes=writes, alias=alias,
-                           reduce_op=_reduce_op(node, info), unordered=unordered)
+        launch = Launch.make(name, operands, phase, types, target=target, group=group,
+                             group_size=_group_size(node, info), role=role, writes=writes, alias=alias,
+                             reduce_op=_reduce_op(node, info))
+        if node.meta.get(tags.UNORDERED) and launch.may_unorder:
+            # a raised graph's mark (`unorder-reduce-scatters` ran on it before), where it may be
+            # set; `_lower` notes a tag it ignores
+            launch = attrs.evolve(launch, unordered=True)
+        return launch
 
     def gather(self, node: fx.Node, target: str, role: Role, base: tuple) -> Launch:
         name, operands, phase, types = base
