@@ -9,7 +9,7 @@ write and to check as a reorder-only one:
   it, after `^entry` when it reads only inputs (a pack of shards: without them a later pass
   could move it into the forward, or across a barrier);
 - `replace_uses(old, new)`: every data use of `old` reads `new` instead, ordered against the
-  other accesses of `new`'s storage as ir/effects.py would have derived (a use that frees or
+  other accesses of `new`'s storage as ir/storage.py would have derived (a use that frees or
   writes it after every earlier reader, a read before any later free or write; a launch's
   read lasts until its wait), so nothing can move past it later; each user gets the phase,
   barrier and entry edges of its place, as a created op does (a backward view moved onto the
@@ -60,9 +60,10 @@ from bisect import bisect
 
 import attrs
 
-from .effects import BACKWARD, ENTRY, collective_order, storage_candidates, storage_readers, storage_root
+from .effects import BACKWARD, ENTRY, collective_order
 from .ops import Free, Input, Launch, Op, Opaque, Phase, Wait
 from .program import DATA, EFFECT, Program
+from .storage import storage_candidates, storage_readers, storage_root
 from .waits import waits_of
 
 
@@ -355,7 +356,7 @@ class Rewriter:
 
     def _maybe_set(self, root: str) -> tuple[str, ...]:
         """`root` and every storage it may be or that may be it, through `may_alias` either way
-        (ir/effects.py `storage_candidates`; an op that reads a storage and whose `may_alias`
+        (ir/storage.py `storage_candidates`; an op that reads a storage and whose `may_alias`
         names it), `root` first; `(root,)` nearly always. Kept between edits as `_writers` is."""
         found = self._maybe_cache.get(root)
         if found is not None:
@@ -378,7 +379,7 @@ class Rewriter:
         return found
 
     def _maybe_order(self, users: list[str], fresh: set[str], maybe: tuple[str, ...]) -> list[tuple[str, str, str]]:
-        """The edges a result that may share storage adds (ir/effects.py): the new accesses
+        """The edges a result that may share storage adds (ir/storage.py): the new accesses
         (`fresh`, and what reads through a user whose result may be the storage) are ordered, as
         the schedule has them, against every access of every storage in `maybe` where either
         writes one of them; an access after a free of another of them keeps no order with it (it
@@ -399,7 +400,7 @@ class Rewriter:
                     continue
                 first, then = (a, b) if pos(a) < pos(b) else (b, a)
                 if isinstance(program.op(first), Free) and not isinstance(program.op(then), Free):
-                    continue  # an access after the free: it may be fresh storage (a note in ir/effects.py)
+                    continue  # an access after the free: it may be fresh storage (a note in ir/storage.py)
                 edges.append((first, then, "free" if isinstance(program.op(then), Free) else "storage"))
         return edges
 

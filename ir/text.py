@@ -37,10 +37,11 @@ import re
 
 import attrs
 
-from .effects import BACKWARD, EffectError, derive_effects
+from .effects import BACKWARD, derive_effects
 from .errors import InputError
 from .ops import DTYPE_BYTES, OP_KINDS, Marker, Op, Phase, Role, TensorType
 from .program import DATA, Program, Schedule
+from .storage import EffectError
 
 
 class ParseError(InputError):

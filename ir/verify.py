@@ -11,11 +11,12 @@ from operator import attrgetter, is_, itemgetter, not_
 
 import networkx as nx
 
-from .effects import collective_order, storage_readers, storage_root
+from .effects import collective_order
 from .errors import InputError
 from .gcpause import gc_paused
 from .ops import Free, Input, Launch, Marker, Opaque, Output, Phase, View, Wait
 from .program import DATA, Program
+from .storage import storage_readers, storage_root
 
 
 class VerifyError(InputError):

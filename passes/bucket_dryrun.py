@@ -7,7 +7,7 @@ from __future__ import annotations
 import math
 
 from ..ir import EFFECT, Free, Program, View, Wait
-from ..ir.effects import storage_readers, storage_root
+from ..ir.storage import storage_readers, storage_root
 from ..ir.rewriter import RewriteError
 
 

@@ -1,4 +1,4 @@
-"""The result of a call fxsched cannot see into (`Op.may_alias`, ir/effects.py): a Python function
+"""The result of a call fxsched cannot see into (`Op.may_alias`, ir/storage.py): a Python function
 of no known module (one `torch.fx.wrap`'d under symbolic_trace, or called from a hand-built
 graph), with no `meta["val"]` saying whether its result shares storage, may return one of its
 tensors or a view of one. Each access of its result counts as an access of each of their storages
@@ -359,7 +359,7 @@ def test_may_alias_naming_an_undefined_node_is_a_parse_error():
 
 def test_replace_uses_substitutes_may_alias_and_orders_through_it():
     """The rewriter's operand substitution rewrites may_alias as it does writes and alias; the
-    users' new accesses are ordered as ir/effects.py would: reads of the result, which may now
+    users' new accesses are ordered as ir/storage.py would: reads of the result, which may now
     be z's storage, keep their order with a later write of z."""
     program = parse_program("""\
 %x = input
@@ -507,14 +507,14 @@ def test_a_chain_of_such_calls_keeps_its_numbers_and_stays_linear(links):
     """12 links: each result may be every storage before it (exact); 40: past `MAYBE_LIMIT` the
     linked storages are merged into one (each access costs one storage, not the chain's length).
     Either way random legal orders compute the input's numbers."""
-    from fxsched.ir import effects
+    from fxsched.ir import storage
 
     torch.manual_seed(2)
     inputs = [torch.randn(4) for _ in range(links + 1)]
     gm = _chain(links)
     direct = [(k, [k - 1, 1000 + k]) for k in range(1, links + 1)]
-    also, merged = effects._maybe_links(direct)
-    if links * 2 + 1 > effects.MAYBE_LIMIT + 1:
+    also, merged = storage._maybe_links(direct)
+    if links * 2 + 1 > storage.MAYBE_LIMIT + 1:
         assert not also and len(set(merged.values())) == 1 and len(merged) == 2 * links
     else:
         assert not merged and len(also[links]) == 2 * links

@@ -22,7 +22,7 @@ from irtest import dedent, run
 from fxsched.front.generate import generate_graph
 from fxsched.ir import (BACKWARD, ENTRY, Barrier, Compute, Opaque, ParseError, Schedule, VerifyError, View, Wait,
                         derive_effects, parse_program, print_program, verify)
-from fxsched.ir import effects as effects_module
+from fxsched.ir import storage as storage_module
 verify_module = importlib.import_module("fxsched.ir.verify")
 from fxsched.lowering import lower
 from fxsched.passes import DEFAULT_PIPELINE, REFERENCE_PIPELINE
@@ -204,7 +204,7 @@ def test_thousands_of_frees_of_views_of_one_buffer_stay_linear(monkeypatch):
     verify(p)
     assert len(walks) == 1
     # and deriving the effects looks at each op's operands once: no reader walk at all
-    monkeypatch.setattr(effects_module, "storage_readers", lambda *a: pytest.fail("derive walked readers"))
+    monkeypatch.setattr(storage_module, "storage_readers", lambda *a: pytest.fail("derive walked readers"))
     parse_program("\n".join(lines) + "\n")
 
 
