@@ -10,6 +10,12 @@ Each op has effects on resources, as MLIR's memory effects:
   their relative order; one whose group is unknown orders against every group. An FSDP
   gradient reduce-scatter marked `unordered` (`Launch.unordered`) keeps its place among the
   group's other collectives but not among the other unordered ones (`collective_order`);
+- `p2p-order` — the wait of a send or a receive (`isend`/`irecv`) follows every send and
+  receive of its group (of every group, for one of unknown group) traced before it: it blocks
+  until the peer posts the matching op, and the peer runs the same schedule, so a wait moved
+  above a send the peer needs first waits for a send no rank has posted (a ring exchange,
+  `irecv; wait; isend`, hung on 2 gloo ranks). The launches keep their order already
+  (`collective-order`); an edge from the last one before the wait orders them all;
 - `rng-order` — random ops keep their order (they share the generator);
 - `barrier` — unknown state (tagged barriers, calls fxsched cannot see into): nothing crosses;
 - `phase` — forward before `^backward` before backward; `entry`/`output` — inputs first and
@@ -23,7 +29,8 @@ from __future__ import annotations
 from itertools import compress
 from operator import itemgetter
 
-from .ops import Barrier, Compute, Free, Input, Launch, Marker, Op, Opaque, Output, Phase
+from .opclass import is_point_to_point
+from .ops import Barrier, Compute, Free, Input, Launch, Marker, Op, Opaque, Output, Phase, Wait
 from .program import EFFECT, IRGraph, Program, Schedule, _clear_cache, _effect_attrs
 from .storage import _storage_edges
 
@@ -142,6 +149,7 @@ def _derive(program: Program, g: _Numbered, ops: list[Op]) -> None:
                     add(last_free[param], k, "regather")
 
     _collective_edges(g, seq, ops, kinds, present)
+    _point_to_point_edges(g, seq, ops, kinds, present)
     markers = {g.names[k]: k for k in compress(seq, _of(kinds, present, (Marker,)))}
     _barrier_and_phase_edges(g, seq, ops, markers.get(BACKWARD))
     _boundary_edges(g, seq, ops, kinds, present, markers[ENTRY] if ENTRY in markers else g.at[ENTRY])
@@ -240,6 +248,34 @@ def _collective_edges(g: _Numbered, seq: list[int], ops: list[Op], kinds: list[t
     add = g.add
     for before, after in collective_order(compress(zip(seq, ops), _of(kinds, present, (Launch, Opaque)))):
         add(before, after, "collective-order")
+
+
+def _point_to_point_edges(g: _Numbered, seq: list[int], ops: list[Op], kinds: list[type],
+                          present: set[type]) -> None:
+    """`p2p-order`: each wait of a send or receive follows the last send or receive of its group
+    traced before it, and the last of unknown group; one of unknown group's, the last of any
+    group. Those keep their order among themselves (`collective-order`), so it follows them all."""
+    if Launch not in present or Wait not in present:
+        return
+    latest: dict[str | None, int] = {}  # per group (None: unknown), the last send or receive so far
+    last = None  # the last of any group
+    p2p: dict[int, str | None] = {}  # send or receive -> its group
+    add = g.add
+    for k, op in compress(zip(seq, ops), _of(kinds, present, (Launch, Wait))):
+        if isinstance(op, Launch):
+            if is_point_to_point(op.target):
+                p2p[k] = op.group
+                latest[op.group] = last = k
+            continue
+        if not p2p or op.launched_by is None:
+            continue
+        launch = g.find(k, op, op.launched_by)
+        if launch not in p2p:
+            continue
+        group = p2p[launch]
+        for before in ((last,) if group is None else (latest.get(group), latest.get(None))):
+            if before is not None and before != launch:
+                add(before, k, "p2p-order")
 
 
 def collective_order(ops) -> list[tuple[str, str]]:

@@ -1,4 +1,4 @@
-"""Op classes by target name — matmuls, attention, heavy — in one place.
+"""Op classes by target name — matmuls, attention, heavy, point-to-point — in one place.
 
 Lowering marks ops `heavy` / `attention` with these (the anchor pass prefetches behind heavy
 ops and spreads over attention intervals), and the cost model prices the same ops as matmuls
@@ -12,6 +12,8 @@ MATMULS = frozenset({"mm", "addmm", "bmm", "baddbmm", "matmul", "linear"})
 #: a target whose name holds one of these is attention (forward or backward)
 ATTENTION_NAMES = ("scaled_dot_product", "flash_attention", "npu_fusion_attention")
 _NAMESPACES = ("aten", "prims", "_c10d_functional", "c10d_functional", "npu")
+#: point-to-point collectives (a send or a receive, matched by one peer's), by their short name
+POINT_TO_POINT = frozenset({"isend", "irecv"})
 
 
 def op_name(target: str) -> str:
@@ -38,3 +40,9 @@ def is_attention_backward(target: str) -> bool:
 def is_heavy(target: str) -> bool:
     """Compute worth hiding a gather behind: a matmul or attention."""
     return is_matmul(target) or is_attention(target)
+
+
+def is_point_to_point(target: str) -> bool:
+    """A send or a receive (`_c10d_functional.isend` / `irecv`): its wait blocks until one peer
+    posts the matching receive or send (ir/effects.py's `p2p-order`)."""
+    return target.startswith(("_c10d_functional", "c10d_functional")) and op_name(target) in POINT_TO_POINT
