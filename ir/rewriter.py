@@ -11,7 +11,8 @@ write and to check as a reorder-only one:
 - `replace_uses(old, new)`: every data use of `old` reads `new` instead, ordered against the
   other accesses of `new`'s storage as ir/storage.py would have derived (a use that frees or
   writes it after every earlier reader, a read before any later free or write; a launch's
-  read lasts until its wait), so nothing can move past it later; each user gets the phase,
+  read lasts until its wait; what reads or writes through a `maybe` view counts too), so
+  nothing can move past it later; each user gets the phase,
   barrier and entry edges of its place, as a created op does (a backward view moved onto the
   forward replica by `unshard` lost its path from `^backward` with its old operand);
 - `erase(name)`: remove an op no one reads; every predecessor of it (data or effect) is
@@ -63,7 +64,7 @@ import attrs
 from .effects import BACKWARD, ENTRY, collective_order
 from .ops import Free, Input, Launch, Op, Opaque, Phase, Wait
 from .program import DATA, EFFECT, Program
-from .storage import storage_candidates, storage_readers, storage_root
+from .storage import may_be, storage_accessors, storage_readers, storage_root, through_maybe
 from .waits import waits_of
 
 
@@ -317,9 +318,12 @@ class Rewriter:
 
     def _storage_order(self, users: list[str], new: str) -> list[tuple[str, str, str]]:
         """The effect edges that order the new accesses of `new`'s storage (the users and what
-        reads it through them, by views) against its other accesses, as ir/effects.py orders
+        reads it through them, by views) against its other accesses, as ir/storage.py orders
         accesses: of two accesses where either writes (or frees) the storage, the earlier in
-        the schedule goes first. Raises RewriteError for a read after a free."""
+        the schedule goes first. What reads or writes it through a `maybe` view counts (in the
+        worst case that view is one: `storage_accessors`), but a read through one after a free
+        keeps no order with it (it may read a copy: a note in ir/storage.py). Raises
+        RewriteError for another read or a write after a free."""
         program = self.program
         pos = program.schedule.index
         root = storage_root(program, new)
@@ -329,13 +333,14 @@ class Rewriter:
             others, maybe_readers = self._writers(root)
             fresh = set(users)
             writes = dict.fromkeys(others, True)
+            copies = fresh if through_maybe(program, new) else set()
         else:
-            accessors = storage_readers(program, root)
+            accessors, copies = storage_accessors(program, root)
             node = program.graph._node
             maybe_readers = [a for a in accessors if node[a]["op"].may_alias]
             fresh = set(users)
-            for user in users:  # what reads the storage through a user that aliases it
-                fresh |= storage_readers(program, user) & accessors
+            for user in users:  # what reads the storage through a user that aliases (or may alias) it
+                fresh |= storage_readers(program, user, through_maybe=True) & accessors
             writes = {a: _writes(program, a, root) for a in accessors | fresh}
             others = accessors
         edges = []
@@ -345,6 +350,8 @@ class Rewriter:
                     continue  # a pair of new accesses is taken once, from its earlier one
                 first, then = (a, b) if pos(a) < pos(b) else (b, a)
                 if isinstance(program.op(first), Free) and not isinstance(program.op(then), Free):
+                    if then in copies and not writes.get(then, False):
+                        continue  # it may read a copy taken before the free
                     raise RewriteError(f"%{then} would read storage that %{first} frees before it")
                 edges.append((first, then, "free" if isinstance(program.op(then), Free) else "storage"))
         if maybe_readers or program.op(root).may_alias or any(program.op(u).may_alias for u in users):
@@ -356,24 +363,26 @@ class Rewriter:
 
     def _maybe_set(self, root: str) -> tuple[str, ...]:
         """`root` and every storage it may be or that may be it, through `may_alias` either way
-        (ir/storage.py `storage_candidates`; an op that reads a storage and whose `may_alias`
-        names it), `root` first; `(root,)` nearly always. Kept between edits as `_writers` is."""
+        (ir/storage.py `may_be`, one step from each storage found; an op that reads a storage and
+        whose `may_alias` names it), `root` first; `(root,)` nearly always. Kept between edits as
+        `_writers` is."""
         found = self._maybe_cache.get(root)
         if found is not None:
             return found
         program = self.program
         node = program.graph._node
         cache: dict[str, str] = {}
-        found, stack = [root], [root]
+        found, stack = {root: None}, [root]
         while stack:
             current = stack.pop()
-            linked = list(storage_candidates(program, current, cache)[1:])
-            if any(node[a]["op"].may_alias for a in storage_readers(program, current)):
-                linked += [a for a in storage_readers(program, current) if node[a]["op"].may_alias
+            linked = may_be(program, current, cache)
+            readers = storage_readers(program, current, through_maybe=True)
+            if any(node[a]["op"].may_alias for a in readers):
+                linked += [a for a in readers if node[a]["op"].may_alias
                            and any(storage_root(program, c, cache) == current for c in node[a]["op"].may_alias)]
             for other in linked:
                 if other not in found:
-                    found.append(other)
+                    found[other] = None
                     stack.append(other)
         found = self._maybe_cache[root] = tuple(found)
         return found
@@ -390,8 +399,8 @@ class Rewriter:
         fresh = set(fresh)
         for user in users:
             if program.op(user).may_alias:
-                fresh |= storage_readers(program, user)
-        accessors = set().union(*(storage_readers(program, s) for s in maybe)) | fresh
+                fresh |= storage_readers(program, user, through_maybe=True)
+        accessors = set().union(*(storage_readers(program, s, through_maybe=True) for s in maybe)) | fresh
         writes = {a: any(_writes(program, a, s) for s in maybe) for a in accessors}
         edges = []
         for a in sorted(fresh, key=pos):
@@ -411,7 +420,7 @@ class Rewriter:
         if found is None:
             program = self.program
             node = program.graph._node
-            readers = storage_readers(program, root)
+            readers = storage_readers(program, root, through_maybe=True)  # a write through a maybe view writes it
             found = self._writer_cache[root] = (frozenset(a for a in readers if _writes(program, a, root)),
                                                 tuple(a for a in readers if node[a]["op"].may_alias))
         return found

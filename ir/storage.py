@@ -27,7 +27,9 @@ launch and wait is kept there, with a note: the input races with its own collect
 
 Queries by name: `storage_root` (a value's storage), `storage_roots` (every node's, and the
 first `maybe` view on the way), `storage_readers` (who reads a storage, through views),
-`storage_candidates` / `maybe_storages` (the other storages a `may_alias` result may be).
+`storage_accessors` (who accesses it, through `maybe` views too: what the rewriter orders),
+`storage_candidates` / `storage_candidates_of` / `maybe_storages` (the other storages a
+`may_alias` result may be; `may_be`, one step of that walk).
 """
 
 from __future__ import annotations
@@ -91,9 +93,10 @@ def maybe_storages(program: Program, roots: dict[str, tuple[str, str | None]] | 
     if roots is None:
         roots = storage_roots(program)
     found: dict[str, tuple[str, ...]] = {}
+    cache = {name: root for name, (root, _) in roots.items()}
     for name, _ in direct:
         if roots[name][0] == name:  # (a View or an alias with may_alias: verify refuses it)
-            others = storage_candidates(program, name)[1:]
+            others = storage_candidates(program, name, cache)[1:]
             if others:
                 found[name] = tuple(sorted(others))
     return found
@@ -101,22 +104,48 @@ def maybe_storages(program: Program, roots: dict[str, tuple[str, str | None]] | 
 
 def storage_candidates(program: Program, name: str, cache: dict[str, str] | None = None) -> tuple[str, ...]:
     """The storages `name` may be: its root's, then (where an op on the way has `may_alias`)
-    each other one it may be (`maybe_storages`), found by walking the candidates: O(their count)."""
+    each other one it may be (`maybe_storages`), found by walking the candidates: O(their count).
+    `cache`: as `storage_root`'s. For the storages of many names, `storage_candidates_of`."""
     root = storage_root(program, name, cache)
-    node = program.graph._node
-    if not node[root]["op"].may_alias:
+    if not program.graph._node[root]["op"].may_alias:
         return (root,)
-    found, stack = [root], [root]
+    found = {root: None}
+    _walk_candidates(program, [root], found, cache)
+    return tuple(found)
+
+
+def storage_candidates_of(program: Program, names, cache: dict[str, str] | None = None) -> set[str]:
+    """Every storage one of `names` may be (the union of their `storage_candidates`) in one walk,
+    each storage expanded once: a chain of calls that may return their operand made a query per
+    name walk the chain again (cubic in its length, as each walk also searched a list)."""
+    found: dict[str, None] = {}
+    starts = []
+    for name in names:
+        root = storage_root(program, name, cache)
+        if root not in found:
+            found[root] = None
+            starts.append(root)
+    _walk_candidates(program, starts, found, cache)
+    return set(found)
+
+
+def may_be(program: Program, root: str, cache: dict[str, str] | None = None) -> list[str]:
+    """The storages (roots) that `root`'s op names in `may_alias`: one step of the walk."""
+    node = program.graph._node
+    return [storage_root(program, c, cache) for c in node[root]["op"].may_alias if c in node]
+
+
+def _walk_candidates(program: Program, stack: list[str], found: dict[str, None], cache: dict[str, str] | None) -> None:
+    """Add to `found` every storage that the storages on `stack` (in `found`) may be, transitively."""
+    node = program.graph._node
+    if cache is None:
+        cache = {}
     while stack:
-        for candidate in node[stack.pop()]["op"].may_alias:
-            if candidate not in node:
-                continue
-            other = storage_root(program, candidate, cache)
+        for other in may_be(program, stack.pop(), cache):
             if other not in found:
-                found.append(other)
+                found[other] = None
                 if node[other]["op"].may_alias:
                     stack.append(other)
-    return tuple(found)
 
 
 def storage_root(program: Program, name: str, cache: dict[str, str] | None = None) -> str:
@@ -141,9 +170,11 @@ def storage_root(program: Program, name: str, cache: dict[str, str] | None = Non
     return name
 
 
-def storage_readers(program: Program, root: str) -> set[str]:
+def storage_readers(program: Program, root: str, *, through_maybe: bool = False) -> set[str]:
     """Every node that reads `root`'s storage directly or through a chain of views and `alias`
-    results (not through a `maybe` view: its users may read a copy)."""
+    results; not through a `maybe` view (its users may read a copy: no use after free), unless
+    `through_maybe` (its users then count too: in the worst case it is a view, and the rules
+    order them as the storage's readers and writers; `storage_accessors`)."""
     readers: set[str] = set()
     succ, node = program.graph._succ, program.graph._node
     stack = [root]
@@ -154,9 +185,37 @@ def storage_readers(program: Program, root: str) -> set[str]:
                 continue
             readers.add(user)
             op = node[user]["op"]
-            if _source(op) == current and not (isinstance(op, View) and op.maybe):
+            if _source(op) == current and (through_maybe or not (isinstance(op, View) and op.maybe)):
                 stack.append(user)
     return readers
+
+
+def storage_accessors(program: Program, root: str) -> tuple[set[str], set[str]]:
+    """What `_storage_edges` orders as accesses of `root`'s storage, read off the graph as it is
+    now (for the rewriter, which orders new accesses among them): every node that reads it
+    through views, `alias` results and `maybe` views; and those of them that reach it only
+    through a `maybe` view, whose read after a free of the storage is no use after free (it may
+    be a copy: a note there, no order). A write through one is a write of the storage."""
+    every = storage_readers(program, root, through_maybe=True)
+    node = program.graph._node
+    if not any(isinstance(op := node[a]["op"], View) and op.maybe for a in every):
+        return every, set()  # (the two walks are one)
+    return every, every - storage_readers(program, root)
+
+
+def through_maybe(program: Program, name: str) -> bool:
+    """Whether `name` reaches its storage root through a `maybe` view (it may be a copy)."""
+    node, seen = program.graph._node, set()
+    while name not in seen:
+        seen.add(name)
+        op = node[name]["op"]
+        if isinstance(op, View) and op.maybe:
+            return True
+        source = _source(op)
+        if source is None or source not in node:
+            return False
+        name = source
+    return False
 
 
 def _roots_in_order(program: Program, g: _Numbered, seq: list[int], ops: list[Op]

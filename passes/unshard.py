@@ -41,7 +41,8 @@ import attrs
 
 from ..cost.model import CostAnalysis
 from ..cost.simulate import MemoryProfile, Sweep, keeper_slots, last_kept, op_getter, simulate, steps_of
-from ..ir import DATA, Cast, Free, Launch, Program, Role, Wait, storage_candidates, storage_root
+from ..ir import DATA, Cast, Free, Launch, Program, Role, Wait, storage_root
+from ..ir.storage import storage_candidates_of
 from ..ir.holds import OVER_PEAK_CAP, SAVES_TOO_LITTLE, register_hold
 from ..ir.rewriter import Rewriter
 from .base import ModulePass, PassContext, PassResult, check_budget, check_ms, option, register_pass
@@ -243,14 +244,14 @@ def find_candidates(program: Program) -> tuple[list[Candidate], dict[str, str]]:
     roots: dict[str, str] = {}
     forward_gathers: dict[tuple, list[Launch]] = {}  # (params, group) -> unbucketed forward gathers, in order
     replica_frees: dict[str, list[str]] = {}         # storage root -> the frees of it
-    written = set()                                  # storage roots some op writes in place
     for op in ops:
         if isinstance(op, Launch) and op.role is Role.GATHER and op.bucket is None:
             forward_gathers.setdefault((op.params, op.group), []).append(op)
         elif isinstance(op, Free) and op.operands:
             replica_frees.setdefault(storage_root(program, op.operands[0], roots), []).append(op.name)
-        for w in op.writes:  # (a write through a result that may be another storage writes it too: may_alias)
-            written.update(storage_candidates(program, w, roots))
+    # storage roots some op writes in place (a write through a result that may be another
+    # storage writes it too: may_alias)
+    written = storage_candidates_of(program, (w for op in ops for w in op.writes), roots)
     candidates, held = [], {}
     claimed: set[str] = set()  # forward frees a candidate erases
 
