@@ -32,10 +32,16 @@ from ..lowering.targets import SYNCHRONOUS_COLLECTIVES, collective_overload, tar
 
 __all__ = ["ScheduleMismatch", "check_ranks_agree", "collective_entries", "compare_entries", "describe", "fingerprint"]
 
-_VERSION = "fxsched-collectives-v1"
+_VERSION = "fxsched-collectives-v2"
 _NAMESPACES = ("_c10d_functional", "c10d_functional", "c10d")
 _GATHER_TAGS = (tags.ALL_GATHER, tags.ALL_GATHER_BACKWARD)
 _ROLES = (*_GATHER_TAGS, tags.REDUCE_SCATTER)
+#: collectives whose sizes are each rank's own: an all-to-all with split sizes (expert
+#: parallelism) receives another number of tokens on each rank, a send or receive moves what its
+#: peer pair agrees on, DTensor's all-to-all may shard unevenly. Their extents are left out of the
+#: entry's type (dtype and rank count stay): counted, ranks whose schedules agree were told they
+#: differ (the all-to-all, `f32[650,256]` against `f32[550,256]`).
+_RANK_SIZED = frozenset({"all_to_all_single", "isend", "irecv", "batch_p2p_ops", "shard_dim_alltoall"})
 
 
 class ScheduleMismatch(RuntimeError):
@@ -86,6 +92,14 @@ def _names(value) -> list[str] | None:
     return None
 
 
+def _type_text(kind: str, types) -> str:
+    """The result types as the entry shows them; a rank-sized collective's without extents."""
+    parts = kind.replace("::", ".").split(".")
+    if len(parts) > 1 and parts[1] in _RANK_SIZED:
+        return ", ".join(f"{t.dtype}[{','.join('?' * len(t.shape))}]" for t in types) or "?"
+    return ", ".join(str(t) for t in types) or "?"
+
+
 def _fx_entry(node: fx.Node) -> dict[str, Any]:
     meta = node.meta
     comm_type = meta.get(tags.COMM_TYPE)
@@ -98,11 +112,12 @@ def _fx_entry(node: fx.Node) -> dict[str, Any]:
             params = _names(meta.get(tags.PARAM_NAME)) or []
     group = _fx_arg(node, "group_name")
     size = _fx_arg(node, "group_size")
+    kind = target_name(node)
     return {
-        "kind": target_name(node),
+        "kind": kind,
         "group": None if group is None else str(group),
         "group_size": size if isinstance(size, int) and not isinstance(size, bool) and size > 0 else None,
-        "type": ", ".join(str(t) for t in value_types(node)) or "?",
+        "type": _type_text(kind, value_types(node)),
         "role": role,
         "params": params,
     }
@@ -114,7 +129,7 @@ def _ir_entry(op) -> dict[str, Any]:
         "kind": op.target,
         "group": op.group,
         "group_size": op.group_size,
-        "type": ", ".join(str(t) for t in op.types) or "?",
+        "type": _type_text(op.target, op.types),
         "role": None if role is None else role.value,
         "params": list(getattr(op, "params", ())),
     }

@@ -301,3 +301,85 @@ def test_tensor_and_sequence_parallel_collectives_beside_fsdp_in_legal_orders_an
     orders = _legal_orders(lower(_tp_build(0, 2)), most=0)
     results = run_ranks(_run_orders, 2, args=(_tp_build, (DP, TP), orders, pipelines, _tp_feeds), timeout=1200)
     _check(results, orders, pipelines)
+
+
+# --------------------------------------------------------------------------- expert parallelism: graphs that differ per rank
+
+
+class _AllToAll(torch.autograd.Function):
+    """Expert parallelism's token dispatch: `all_to_all_single` with split sizes (each rank's own:
+    how many of its tokens go to each expert's rank), the reverse exchange backward."""
+
+    @staticmethod
+    def forward(ctx, x, out_splits, in_splits):
+        ctx.splits = (out_splits, in_splits)
+        return c10d.wait_tensor.default(c10d.all_to_all_single.default(x, out_splits, in_splits, "ep"))
+
+    @staticmethod
+    def backward(ctx, g):
+        out_splits, in_splits = ctx.splits
+        return c10d.wait_tensor.default(c10d.all_to_all_single.default(g.contiguous(), in_splits, out_splits, "ep")), None, None
+
+
+class _MoE(torch.nn.Module):
+    def __init__(self, width, send, recv):
+        super().__init__()
+        self.inp, self.mlp = torch.nn.Linear(width, width), torch.nn.Linear(width, width)
+        self.expert, self.out = torch.nn.Linear(width, 4 * width), torch.nn.Linear(4 * width, width)
+        self.send, self.recv = send, recv
+
+    def forward(self, x):
+        h = self.inp(x)
+        t = self.out(torch.relu(self.expert(_AllToAll.apply(h, self.recv, self.send))))
+        return self.mlp(_AllToAll.apply(t, self.send, self.recv) + h)
+
+
+def _ep_graph(rank, layers=3, width=256):
+    """FSDP (group "0") around MoE layers whose all-to-alls (group "ep") route rank 0's 600 tokens
+    100 to itself and 500 to rank 1, rank 1's 550 to rank 0 and 50 to itself: traced on each rank
+    with its own split sizes, as make_fx of SPMD code does, so the experts' shapes differ by rank."""
+    from fxsched.front import fsdp_joint_graph
+
+    send, recv = [([100, 500], [100, 550]), ([550, 50], [500, 50])][rank]
+    torch.manual_seed(0)
+    module = torch.nn.Sequential(*[_MoE(width, send, recv) for _ in range(layers)])
+    return fsdp_joint_graph(module, [torch.randn(600, width)], lambda m, x: (m(x) ** 2).sum(), 2).gm
+
+
+def test_the_ranks_agreement_check_takes_an_all_to_all_of_other_sizes_on_each_rank_for_the_same_collective():
+    """An all-to-all with split sizes (expert parallelism) receives another number of tokens on each
+    rank: its result's extents are the rank's own, not a disagreement. The check counted them, so it
+    raised `ScheduleMismatch` on every pair of such graphs, even where every rank issues the same
+    collectives in the same order (`reference` here: the first difference it named was the
+    all-to-all, `f32[650,256]` against `f32[550,256]`). An all-to-all's, a send's and a receive's
+    (and `shard_dim_alltoall`'s, whose shards may be uneven) extents are left out now; their dtype
+    and rank count, and every other collective's shape, still are."""
+    from fxsched.runtime.agreement import collective_entries, compare_entries
+
+    graphs = [_ep_graph(rank) for rank in range(2)]
+    entries = [collective_entries(fxsched.schedule(gm, "reference").graph_module) for gm in graphs]
+    assert compare_entries(entries) is None
+    a2a = [e["type"] for e in entries[0] if "all_to_all" in e["kind"]]
+    assert a2a and set(a2a) == {"f32[?,?]"}
+    # a gather of another size on one rank is still a disagreement
+    other = [dict(e) for e in entries[1]]
+    at = next(i for i, e in enumerate(other) if "all_gather" in e["kind"])
+    other[at]["type"] = "f32[3]"
+    assert compare_entries([entries[0], other]).index == at
+
+
+def test_graphs_that_differ_per_rank_in_sizes_may_be_scheduled_differently_and_the_check_says_where():
+    """What fxsched cannot promise (docs/bad-input.md): where each rank traces its own graph and the
+    sizes differ (expert parallelism's split sizes, traced as numbers), the cost model prices each
+    rank's experts differently, and the cost-guided pipelines order the FSDP group's collectives
+    differently on each rank (here `default`: a reduce-scatter on one rank where the other
+    re-gathers `1.expert.weight`): run together they would hang or exchange the wrong tensors.
+    `check_ranks_agree` raises instead, naming that collective; `reference` (no cost model) agrees.
+    Traced with symbolic split sizes (torch.compile's unbacked ones) the graphs are one graph."""
+    from fxsched.runtime.agreement import collective_entries, compare_entries
+
+    graphs = [_ep_graph(rank) for rank in range(2)]
+    entries = [collective_entries(fxsched.schedule(gm, "default").graph_module) for gm in graphs]
+    mismatch = compare_entries(entries)
+    assert mismatch is not None and mismatch.expected["kind"] != mismatch.found["kind"]
+    assert "fsdp" in (mismatch.expected["role"] or "") + (mismatch.found["role"] or "")
