@@ -254,15 +254,17 @@ def _point_to_point_edges(g: _Numbered, seq: list[int], ops: list[Op], kinds: li
                           present: set[type]) -> None:
     """`p2p-order`: each wait of a send or receive follows the last send or receive of its group
     traced before it, and the last of unknown group; one of unknown group's, the last of any
-    group. Those keep their order among themselves (`collective-order`), so it follows them all."""
+    group. Those keep their order among themselves (`collective-order`), so it follows them all;
+    an opaque send or receive counts among them (an opaque op's own wait, on no launch, is of
+    unknown group: ordered against every collective already)."""
     if Launch not in present or Wait not in present:
         return
     latest: dict[str | None, int] = {}  # per group (None: unknown), the last send or receive so far
     last = None  # the last of any group
     p2p: dict[int, str | None] = {}  # send or receive -> its group
     add = g.add
-    for k, op in compress(zip(seq, ops), _of(kinds, present, (Launch, Wait))):
-        if isinstance(op, Launch):
+    for k, op in compress(zip(seq, ops), _of(kinds, present, (Launch, Opaque, Wait))):
+        if not isinstance(op, Wait):  # a launch, or an opaque send or receive (waited by an opaque op)
             if is_point_to_point(op.target):
                 p2p[k] = op.group
                 latest[op.group] = last = k

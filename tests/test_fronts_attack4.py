@@ -149,6 +149,28 @@ def test_a_point_to_point_wait_follows_the_sends_and_receives_traced_before_it()
                 f"{wait} runs before {[n for n in before if at[n] > at[wait]]}: {order}")
 
 
+def test_a_receives_wait_follows_a_send_that_is_opaque():
+    """A send whose result is also read by name besides its wait is an opaque collective (in its
+    group's collective order, but no launch): the receive's wait still follows it (18 of the 50
+    legal orders put it first when only launches counted)."""
+    def build(g):
+        x, buf = g.placeholder("x"), g.placeholder("buf")
+        recv = g.call_function(c10d.irecv.default, (buf, 1, 0, "cp"))
+        send = g.call_function(c10d.isend.default, (x, 1, 0, "cp"))
+        other = g.call_function(aten.mul.Tensor, (x, 3))
+        got = g.call_function(c10d.wait_tensor.default, (recv,))
+        g.call_function(c10d.wait_tensor.default, (send,))
+        g.output((g.call_function(aten.add.Tensor, (got, other)), g.call_function(aten.mul.Tensor, (send, 2))))
+
+    g = fx.Graph()
+    build(g)
+    program = lower(fx.GraphModule(torch.nn.Module(), g))
+    assert not isinstance(program.op("isend_default"), Launch)
+    orders = list(nx.all_topological_sorts(program.graph))
+    assert len(orders) > 10
+    assert all(o.index("isend_default") < o.index("wait_tensor_default") for o in orders)
+
+
 @pytest.mark.multirank
 def test_every_legal_order_and_pipeline_of_a_ring_exchange_runs_bitwise_without_a_hang_on_two_ranks():
     """Two steps of a ring exchange (`irecv` from the previous rank, `isend` to the next, compute on
