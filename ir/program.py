@@ -412,10 +412,12 @@ class Program:
 
     def replace(self, op: Op) -> None:
         """Swap in a new version of an op (same name and operands), e.g. from attrs.evolve."""
-        old = self.op(op.name)
-        if old.operands != op.operands:
+        # the node's own attribute dict, looked up once (the passes replace ~19k launch ops at
+        # 100k nodes; networkx's `graph.nodes` view was a second lookup by name)
+        data = self.graph._node[op.name]
+        if data["op"].operands != op.operands:
             raise ValueError(f"replace(%{op.name}) may not change operands")
-        self.graph.nodes[op.name]["op"] = op
+        data["op"] = op
         if self._anchored is not None and getattr(op, "anchor", None) is not None:
             self._anchored.setdefault(op.anchor, set()).add(op.name)
 
