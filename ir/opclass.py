@@ -11,7 +11,7 @@ from __future__ import annotations
 MATMULS = frozenset({"mm", "addmm", "bmm", "baddbmm", "matmul", "linear"})
 #: a target whose name holds one of these is attention (forward or backward)
 ATTENTION_NAMES = ("scaled_dot_product", "flash_attention", "npu_fusion_attention")
-_NAMESPACES = ("aten", "prims", "_c10d_functional", "c10d_functional", "npu")
+_NAMESPACES = ("aten", "prims", "_c10d_functional", "c10d_functional", "_c10d_functional_autograd", "npu")
 #: point-to-point collectives (a send or a receive, matched by one peer's), by their short name
 POINT_TO_POINT = frozenset({"isend", "irecv"})
 

@@ -33,7 +33,7 @@ from ..lowering.targets import SYNCHRONOUS_COLLECTIVES, collective_overload, tar
 __all__ = ["ScheduleMismatch", "check_ranks_agree", "collective_entries", "compare_entries", "describe", "fingerprint"]
 
 _VERSION = "fxsched-collectives-v2"
-_NAMESPACES = ("_c10d_functional", "c10d_functional", "c10d")
+_NAMESPACES = ("_c10d_functional", "c10d_functional", "_c10d_functional_autograd", "c10d")
 _GATHER_TAGS = (tags.ALL_GATHER, tags.ALL_GATHER_BACKWARD)
 _ROLES = (*_GATHER_TAGS, tags.REDUCE_SCATTER)
 #: collectives whose sizes are each rank's own: an all-to-all with split sizes (expert

@@ -405,3 +405,58 @@ def test_graphs_that_differ_per_rank_in_sizes_may_be_scheduled_differently_and_t
     mismatch = compare_entries(entries)
     assert mismatch is not None and mismatch.expected["kind"] != mismatch.found["kind"]
     assert "fsdp" in (mismatch.expected["role"] or "") + (mismatch.found["role"] or "")
+
+
+# --------------------------------------------------------------------------- the functional collectives' autograd namespace
+
+_AUTOGRAD = torch.ops._c10d_functional_autograd
+
+
+def _autograd_collective_graph(op: str):
+    """make_fx with `pre_dispatch=True` (torch.export's training IR keeps the same level) of code
+    calling funcol's `*_autograd` collectives (torchtitan's expert parallelism calls
+    `all_to_all_single_autograd`): `_c10d_functional_autograd::<op>` launches, a `wait_tensor`
+    completes it. Around it: an all-reduce of the group before and after, and a write of the
+    collective's input after its wait."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    call = {"all_to_all_single": lambda x: _AUTOGRAD.all_to_all_single.default(x, [2, 2], [2, 2], "0"),
+            "all_gather_into_tensor": lambda x: _AUTOGRAD.all_gather_into_tensor.default(x, 2, "0"),
+            "reduce_scatter_tensor": lambda x: _AUTOGRAD.reduce_scatter_tensor.default(x, "sum", 2, "0")}[op]
+
+    def f(x, y):
+        first = c10d.wait_tensor.default(c10d.all_reduce.default(y, "sum", "0"))
+        got = c10d.wait_tensor.default(call(x))
+        x.add_(1)
+        last = c10d.wait_tensor.default(c10d.all_reduce.default(y * 2, "sum", "0"))
+        return first, got * 1, last, x * 3, torch.sin(torch.ones(3))
+
+    return make_fx(f, pre_dispatch=True, tracing_mode="fake")(torch.randn(4), torch.randn(4))
+
+
+@pytest.mark.parametrize("op", ["all_to_all_single", "all_gather_into_tensor", "reduce_scatter_tensor"])
+def test_the_functional_collectives_autograd_forms_are_collectives(op):
+    """`_c10d_functional_autograd::all_to_all_single` (and its all_gather_into_tensor and
+    reduce_scatter_tensor) was plain compute: pure, in no collective order, its wait a wait on no
+    launch, and missing from the ranks' agreement check. So a legal order could write its input
+    between it and its wait, while the communication library still reads it (all_to_all_single:
+    126 of 210 legal orders did; the input graph never races), or move it across the group's
+    all-reduces. Now it is a launch of its group, waited by its wait, as its `_c10d_functional`
+    twin is."""
+    from fxsched.runtime.agreement import collective_entries
+
+    gm = _autograd_collective_graph(op)
+    program = lower(gm)
+    launch = next(n for n in program.schedule.names() if op in n)
+    assert isinstance(program.op(launch), Launch) and program.op(launch).group == "0"
+    wait = next(iter(program.successors[launch]))
+    assert isinstance(program.op(wait), Wait) and program.op(wait).launched_by == launch
+    assert [e["kind"].split(".")[1] for e in collective_entries(gm)] == ["all_reduce", op, "all_reduce"]
+    write = next(n for n in program.schedule.names() if n.startswith("add_"))
+    orders = list(itertools.islice(nx.all_topological_sorts(program.graph), 400))
+    assert len(orders) > 10
+    for order in orders:
+        at = {n: i for i, n in enumerate(order)}
+        assert at[wait] < at[write], f"{write} writes the input of {launch} before its wait: {order}"
+        reduces = sorted(at[n] for n in order if n.startswith("all_reduce"))
+        assert reduces[0] < at[launch] < reduces[1]
