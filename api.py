@@ -19,7 +19,7 @@ from .config import read_config
 from .ir import Launch, Program
 from .ir.gcpause import gc_paused
 from .ir import tags
-from .lowering import lower
+from .lowering import lower_in_order
 from .passes import DEFAULT_PIPELINE, Instrument, PassContext, PassManager, PipelineResult, Timing
 from .passes.memory_cap import with_cap
 from .cost.limits import lower_bound
@@ -184,12 +184,27 @@ def _schedule(gm: fx.GraphModule, pipeline: str, raising, *, verify_each: bool =
         manager.instruments.insert(0, timer)
     ctx = PassContext(cost_model=cost_model)
     with gc_paused():  # one pause for all stages: a full collection between them scans the whole graph
-        lint(gm.graph)  # Graph.lint, faster where the graph passes
-        program = lower(gm)
+        program = _lint_and_lower(gm)
         earlier = frozenset(op.name for op in _launches(program, ordered=False) if op.prefetched)
         result = manager.run(program, ctx)
         raised = raising(program, earlier)
     return ScheduleResult(raised, program, str(manager), result, timer, earlier, ctx)
+
+
+def _lint_and_lower(gm: fx.GraphModule) -> Program:
+    """`lint(gm.graph)` (Graph.lint, faster where the graph passes), then `lower(gm)`, with
+    lowering's walk standing in for lint's tests of names and input order (`lint(lowered=True)`).
+    A graph lint refuses still gets lint's error, as when lint ran first: where lowering raises,
+    lint runs before its error is raised."""
+    try:
+        program, in_order = lower_in_order(gm)
+    except Exception as exc:
+        error = exc
+    else:
+        lint(gm.graph, lowered=in_order)
+        return program
+    lint(gm.graph)
+    raise error
 
 
 def reference_pipeline(max_in_flight_gb: float, forward_depth: int = 1, backward_depth: int = 1) -> str:

@@ -914,7 +914,19 @@ def lower(gm: fx.GraphModule) -> Program:
         return _lower(gm)
 
 
+def lower_in_order(gm: fx.GraphModule) -> tuple[Program, bool]:
+    """`lower(gm)`, and whether each node's inputs are nodes of `gm`'s graph listed before it.
+    Lowering finds that on its walk, numbering the nodes, and refuses a repeated name (the
+    package face's lint need not test either again: `raising.lint.lint(..., lowered=True)`)."""
+    with gc_paused():
+        return _lower_in_order(gm)
+
+
 def _lower(gm: fx.GraphModule) -> Program:
+    return _lower_in_order(gm)[0]
+
+
+def _lower_in_order(gm: fx.GraphModule) -> tuple[Program, bool]:
     lowering = _Lowering(gm)
     program = Program(origin=gm)
     nodes = list(gm.graph.nodes)
@@ -948,4 +960,5 @@ def _lower(gm: fx.GraphModule) -> Program:
         raise LoweringError(str(exc)) from exc
     for before, after in replaced:  # the FX node still reads what its op no longer names (`_rebind`)
         program.add_effect(before, after, EXPLICIT)
-    return program
+    # (`numbers` is None once a node read an input that is no node lowered before it)
+    return program, lowering.numbers is not None

@@ -14,7 +14,9 @@ import pytest
 import torch
 from torch import fx
 
+import fxsched
 from fxsched.front.generate import generate_graph
+from fxsched.lowering import lower_in_order
 from fxsched.raising import lint as fast
 
 
@@ -55,6 +57,12 @@ def _foreign_input(gm):
     node.args = (stranger, *node.args[1:])
 
 
+def _foreign_namesake(gm):  # lowering, which reads inputs by name, takes it for the input x
+    stranger = fx.Graph().placeholder("x")
+    node = next(n for n in gm.graph.nodes if n.op == "call_function" and n.target is operator.add)
+    node.args = (stranger, *node.args[1:])
+
+
 def _input_after_user(gm):
     node = _call(gm.graph)
     node.all_input_nodes[0].prepend(node)  # the node now runs before its first input
@@ -91,9 +99,11 @@ def _call_module_not_a_module(gm):
     gm.lin = 3
 
 
-@pytest.mark.parametrize("corrupt", [_unknown_op, _foreign_input, _input_after_user, _duplicate_name,
-                                     _out_of_the_table, _target_changed_behind_the_table, _target_not_callable,
-                                     _get_attr_gone, _call_module_not_a_module])
+CORRUPTIONS = [_unknown_op, _foreign_input, _foreign_namesake, _input_after_user, _duplicate_name, _out_of_the_table,
+               _target_changed_behind_the_table, _target_not_callable, _get_attr_gone, _call_module_not_a_module]
+
+
+@pytest.mark.parametrize("corrupt", CORRUPTIONS)
 def test_what_lint_refuses_the_fast_test_refuses_and_lint_says_why(corrupt):
     gm = fx.symbolic_trace(_Small())
     corrupt(gm)
@@ -102,3 +112,23 @@ def test_what_lint_refuses_the_fast_test_refuses_and_lint_says_why(corrupt):
     assert not fast._passes(gm.graph)
     with pytest.raises(type(torch_says.value), match=re.escape(str(torch_says.value)[:200])):
         fast.lint(gm.graph)
+
+
+@pytest.mark.parametrize("corrupt", CORRUPTIONS)
+def test_the_package_face_gives_lints_error_though_lowering_tests_names_and_order(corrupt):
+    """fxsched.schedule and the drop-in leave lint's tests of names and input order to lowering's
+    walk (`lint(lowered=True)`), and run lint before raising what lowering raised: a graph lint
+    refuses still gets lint's own error, whatever lowering makes of it."""
+    gm = fx.symbolic_trace(_Small())
+    corrupt(gm)
+    with pytest.raises(Exception) as torch_says:
+        gm.graph.lint()
+    with pytest.raises(type(torch_says.value), match=re.escape(str(torch_says.value)[:200])):
+        fxsched.schedule(gm)
+
+
+def test_lowering_says_whether_inputs_are_nodes_listed_before():
+    gm = fx.symbolic_trace(_Small())
+    assert lower_in_order(gm)[1]
+    _foreign_namesake(gm)
+    assert not lower_in_order(gm)[1]
