@@ -9,6 +9,7 @@ fresh process group whose collectives time out after a few seconds), never asser
 from __future__ import annotations
 
 import itertools
+import sys
 from datetime import timedelta
 
 import networkx as nx
@@ -460,3 +461,29 @@ def test_the_functional_collectives_autograd_forms_are_collectives(op):
         assert at[wait] < at[write], f"{write} writes the input of {launch} before its wait: {order}"
         reduces = sorted(at[n] for n in order if n.startswith("all_reduce"))
         assert reduces[0] < at[launch] < reduces[1]
+
+
+def test_two_groups_named_otherwise_on_each_rank_get_the_same_schedule():
+    """On a 2-D mesh each rank's FSDP and TP groups have names of their own, and their order as
+    strings may differ from rank to rank (`dp="a"`, `tp="b"` on one, `"d"`, `"c"` on another). The
+    TP/SP + FSDP step above, traced with each pair of names, is scheduled alike by each pipeline:
+    the same node order, the same collectives once the names are mapped (nothing found: this pins
+    it; tests/test_determinism.py renames one group)."""
+    from fxsched.front import fsdp_joint_graph
+    from fxsched.runtime.agreement import collective_entries
+
+    def graph(dp, tp, monkey):
+        monkey.setattr(sys.modules[__name__], "TP", tp)
+        torch.manual_seed(0)
+        return fsdp_joint_graph(_TwoBlocks(), [torch.randn(3, 8)], lambda m, x: (m(x) ** 2).sum(), 2,
+                                group_name=dp).gm
+
+    with pytest.MonkeyPatch.context() as monkey:
+        ab, dc = graph("a", "b", monkey), graph("d", "c", monkey)
+    rename = {"d": "a", "c": "b"}
+    assert {e["group"] for e in collective_entries(dc)} == {"d", "c"}
+    for pipeline in ("default", "rewrite", "unorder-reduce-scatters,gradients-first,default"):
+        one, other = fxsched.schedule(ab, pipeline).graph_module, fxsched.schedule(dc, pipeline).graph_module
+        assert [n.name for n in one.graph.nodes] == [n.name for n in other.graph.nodes]
+        assert ([(e["kind"], e["group"]) for e in collective_entries(one)]
+                == [(e["kind"], rename[e["group"]]) for e in collective_entries(other)])
