@@ -156,7 +156,10 @@ class _Lowering:
         self.states: dict[int, frozenset[int]] = {}  # id of a called module -> `module_state`
         self.module_calls: list[tuple[str, frozenset[int]]] = []  # call_module reading state: (name, storages)
         self.p2p_batches: set[str] = set()  # batch_p2p_ops calls (barriers, as their waits)
-        self.several: list[tuple[str, tuple[str, ...]]] = []  # (op, operands) of views of several tensors
+        # a higher-order op (or called GraphModule) whose result may be one of several operands, or
+        # a view of one (its subgraph returns an input at a position fxsched cannot tell) -> those
+        # operands: its `may_alias` (`hop_alias`)
+        self.one_of: dict[str, tuple[str, ...]] = {}
         self.returns: dict[int, list[int] | None] = {}  # id of a subgraph -> `returned_inputs`
         self.unorder_tagged: list[fx.Node] = []  # nodes tagged `fsdp_unordered` (read back by `collective`)
         self.fake_mode = None  # the FakeTensorMode of the first val with storage (see `storage`)
@@ -194,7 +197,7 @@ class _Lowering:
             return tuple(n.name for n in triton_written(node)), None, False
         subgraphs = _subgraphs(self.gm, node)
         if subgraphs:
-            alias = self.hop_alias(node, subgraphs)
+            alias = self.hop_alias(node, subgraphs)  # (one of several: `one_of`, None here)
             if any(_graph_writes(sub, self.target) for sub in subgraphs):
                 return tuple(n.name for n in node.all_input_nodes if n.op != "get_attr"), alias, True
             return (), alias, False
@@ -208,8 +211,10 @@ class _Lowering:
         of it, or what an in-place op on it returned) hands that operand back, so reads of the
         result must keep their order with writes of it. Which operand an input is: the arguments
         after the (last) subgraph, when as many as its inputs (a module call's arguments); else any
-        tensor operand. A result that may be one of several operands cannot be said in the IR (an
-        op aliases one operand): a LoweringError rather than a guess."""
+        tensor operand. A result that may be one of several operands (two inputs returned, or one
+        at a position fxsched cannot tell) may be each of them: None here, and those operands in
+        `one_of` (the op's `may_alias`: each access of the result, or of a getitem of it, counts as
+        an access of each of theirs)."""
         tensors = [n for n in node.all_input_nodes if n.op != "get_attr"]
         if node.op == "call_module":
             operands = list(node.args) if not node.kwargs else None
@@ -238,9 +243,8 @@ class _Lowering:
                     found.append(operands[at])
         found = list(dict.fromkeys(found))
         if len(found) > 1:
-            raise LoweringError(f"%{node.name} ({target_name(node)}) may return one of its operands "
-                                f"{['%' + n.name for n in found]} (its subgraph returns an input): fxsched can order "
-                                "a result that shares the storage of one operand, not of one of several")
+            self.one_of[node.name] = tuple(n.name for n in found)
+            return None
         return found[0].name if found else None
 
     def returned_inputs(self, sub: fx.GraphModule) -> list[int] | None:
@@ -548,13 +552,17 @@ class _Lowering:
         if info.clone and meta.get(tags.BUCKET_COPY_OUT) is not None:
             return CopyOut.make(name, operands, phase, types, target=target, bucket=str(meta[tags.BUCKET_COPY_OUT]))
         sources = self.viewed(node, info) if info.viewed else ()
-        if len(sources) > 1:
-            self.several.append((name, sources))
         if info.view:
             if self.results and node.target is operator.getitem:
                 self.result_item(node)
-            if info.several and len(operands) > 1:
-                self.several.append((name, operands))
+            several = sources if len(sources) > 1 else (operands if info.several and len(operands) > 1 else ())
+            if several:
+                # views of each of several tensors (`broadcast_tensors(a, b)`, `meshgrid`, a custom
+                # op's `(Tensor(a) x, Tensor(b) y) -> (Tensor(a), Tensor(b))` or `Tensor(a)[] ->
+                # Tensor(a)[]`): a View has one source, so the result may be each of theirs, and each
+                # access of it (or of a getitem of it) counts as an access of each (`Op.may_alias`)
+                return Compute.make(name, operands, phase, types, target=target, heavy=info.heavy,
+                                    attention=info.attention, may_alias=several)
             if sources and sources[0] != operands[0]:
                 # a view of another argument than the first (a custom op's): a View's source is its
                 # first operand, and raising relinks operands in their order, so its result aliases it
@@ -579,6 +587,13 @@ class _Lowering:
         random = (info.random or (kind == "call_module" and _random_module(self.gm.get_submodule(node.target)))
                   or (isinstance(node.target, torch._ops.HigherOrderOperator) and self.draws_inside(node)))
         may_alias = self.may_return(node, writes) if unknown else ()
+        if self.one_of or len(sources) > 1:
+            # a result that may be (a view of) one of several operands: a higher-order op's
+            # (`hop_alias`), a custom op's viewing several arguments and writing one; unless a val
+            # shows the storage it shares
+            several = self.one_of.pop(name, ()) or (sources if len(sources) > 1 else ())
+            if several and self.shared(node) is None:
+                may_alias = tuple(dict.fromkeys((*may_alias, *several)))
         if (unknown or not writes) and not random and self.impure(node):
             return Barrier.make(name, operands, phase, types, target=target, reason="side effect",
                                 heavy=info.heavy, attention=info.attention, may_alias=may_alias)
@@ -604,13 +619,14 @@ class _Lowering:
                               f"{', '.join('%' + w for w in writes)}"
                               + ("; no meta['val'] says whether its result is one of them (or a view of one): "
                                  "ordered as each of their storages too (may_alias)" if may_alias else ""))
-        alias = self.shared(node) or alias or (sources[0] if sources else None)
+        alias = self.shared(node) or alias or (sources[0] if len(sources) == 1 else None)
         if (alias is None and kind == "call_module" and self.storage(node) is None and node.args
                 and isinstance(node.args[0], fx.Node)
                 and isinstance(self.gm.get_submodule(node.target), _MODULES_RETURNING_INPUT)):
             alias = node.args[0].name  # no val says whether it is its input or a view of it: take it to be
         if alias is None and kind == "call_module" and isinstance(self.gm.get_submodule(node.target), fx.GraphModule):
             alias = self.hop_alias(node, [self.gm.get_submodule(node.target)])
+            may_alias = tuple(dict.fromkeys((*may_alias, *self.one_of.pop(name, ()))))
         if info.cast and not writes:
             return Cast.make(name, operands, phase, types, target=target, alias=alias)
         return Compute.make(name, operands, phase, types, target=target, heavy=info.heavy, attention=info.attention,
@@ -859,31 +875,6 @@ def _rebind(ops: list[Op], rebinds: set[str], same: dict[str, str]) -> tuple[lis
     return result, replaced
 
 
-def _check_several_sources(ops: list[Op], several: list[tuple[str, tuple[str, ...]]]) -> None:
-    """`broadcast_tensors(a, b)`, `meshgrid(a, b)`: the results view a and b, and an op (a view)
-    says one source: it is lowered as a view of a. A write of b (or of anything of b's storage)
-    anywhere in the graph could then cross a read of a result: a LoweringError naming both,
-    rather than a schedule that may read other numbers."""
-    roots: dict[str, str] = {}
-    writers: dict[str, str] = {}  # a storage root -> the first op writing it
-    for op in ops:
-        source = (op.operands[0] if op.operands else None) if isinstance(op, View) else op.alias
-        if source is not None:
-            roots[op.name] = roots.get(source, source)
-        for name in op.writes:
-            writers.setdefault(roots.get(name, name), op.name)
-    for name, operands in several:
-        first = roots.get(operands[0], operands[0])
-        for operand in operands[1:]:
-            root = roots.get(operand, operand)
-            if root != first and root in writers:
-                raise LoweringError(
-                    f"%{name} may return views of each of {['%' + o for o in operands]}, and %{writers[root]} "
-                    f"writes the storage of %{operand}: fxsched orders a view with one source's writes, not "
-                    "several; decompose it first (make_fx without pre_dispatch gives broadcast_tensors' and "
-                    "meshgrid's expand/view ops)")
-
-
 def _module_state_barriers(ops: list[Op], lowering: _Lowering) -> None:
     """Make a barrier of each call_module whose module's state a get_attr of the graph writes
     (`self.lin(x)` and `self.lin.weight.add_(1)`): no operand names what the call reads, so it
@@ -936,8 +927,6 @@ def _lower_in_order(gm: fx.GraphModule) -> tuple[Program, bool]:
         ops, replaced = _rebind(ops, set(lowering.rebinds), lowering.same)
     if lowering.module_calls:
         _module_state_barriers(ops, lowering)
-    if lowering.several:
-        _check_several_sources(ops, lowering.several)
     program.add_all(ops)
     order = list(map(_NAME, nodes))
     program.payload.update(zip(order, nodes))

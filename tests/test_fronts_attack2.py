@@ -14,7 +14,7 @@ from torch import fx, nn
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from fxsched.ir import Barrier, View
-from fxsched.lowering import LoweringError, lower
+from fxsched.lowering import lower
 
 from test_fronts_attack import _graph, _random_orders, _run, assert_every_legal_order_computes_the_same
 
@@ -105,9 +105,9 @@ def test_a_higher_order_op_returning_its_input_aliases_it(body):
     assert_every_legal_order_computes_the_same(gm, [torch.randn(4)])
 
 
-def test_a_higher_order_op_that_may_return_one_of_several_operands_is_refused():
-    """An op the IR cannot say (its result aliases one operand, not one of two): a LoweringError
-    naming it, not a guess."""
+def test_a_higher_order_op_that_may_return_one_of_several_operands_may_alias_each():
+    """Its result may be either operand's storage: it was a LoweringError (the IR said one
+    operand); now the op `may_alias` both (tests/test_several_sources.py writes them between reads)."""
     from torch._higher_order_ops.invoke_subgraph import invoke_subgraph
 
     root = nn.Module()
@@ -116,10 +116,11 @@ def test_a_higher_order_op_that_may_return_one_of_several_operands_is_refused():
     def build(g):
         x, y = g.placeholder("x"), g.placeholder("y")
         call = g.call_function(invoke_subgraph, (g.get_attr("sub"), "sub0", x, y))
-        g.output((g.call_function(operator.getitem, (call, 0)),))
+        g.output((g.call_function(operator.getitem, (call, 0)), g.call_function(torch.sin, (y,))))
 
-    with pytest.raises(LoweringError, match=r"%invoke_subgraph .* may return one of its operands \['%x', '%y'\]"):
-        lower(_graph(build, root))
+    gm = _graph(build, root)
+    assert lower(gm).op("invoke_subgraph").may_alias == ("x", "y")
+    assert_every_legal_order_computes_the_same(gm, [torch.randn(4), torch.randn(4)])
 
 
 def test_a_higher_order_op_whose_subgraph_writes_a_tensor_of_its_own_is_a_barrier():
@@ -505,18 +506,19 @@ def test_ops_whose_schema_says_fresh_but_that_return_views_of_their_input(mode):
     assert_random_legal_orders_compute_the_same(gm, inputs)
 
 
-def test_a_view_of_several_sources_whose_second_is_written_is_refused():
-    """`broadcast_tensors(a, b)` returns views of a and of b; the IR says one source. A write of b
-    after it is a LoweringError naming both, not a schedule that may read other numbers."""
+def test_a_view_of_several_sources_whose_second_is_written_keeps_its_numbers():
+    """`broadcast_tensors(a, b)` returns views of a and of b; a View says one source. A write of b
+    after it was a LoweringError; now the call `may_alias` a and b, and every legal order computes
+    the input's numbers (tests/test_several_sources.py: meshgrid, real mode)."""
     def g(a, b):
         x, y = torch.broadcast_tensors(a, b)
         b.add_(1)
         return x * 2, y * 3
 
-    gm = make_fx(g, tracing_mode="fake", pre_dispatch=True)(torch.randn(3, 1), torch.randn(1, 3))
-    with pytest.raises(LoweringError, match=r"%broadcast_tensors may return views of each of \['%a_1', '%b_1'\], "
-                                            r"and %add_ writes the storage of %b_1"):
-        lower(gm)
+    inputs = [torch.randn(3, 1), torch.randn(1, 3)]
+    gm = make_fx(g, tracing_mode="fake", pre_dispatch=True)(*inputs)
+    assert lower(gm).op("broadcast_tensors").may_alias == ("a_1", "b_1")
+    assert_every_legal_order_computes_the_same(gm, inputs)
 
 
 # --------------------------------------------------------------------------- point-to-point
