@@ -61,6 +61,7 @@ def _run_orders(rank, world_size, build, groups, orders, pipelines, feeds):
     inputs = feeds(rank)
     results = []
     for module in modules:
+        dist.barrier()  # the ranks start each run together (on the default group: no short timeout)
         for group in groups:
             pg = dist.new_group(list(range(world_size)), timeout=timedelta(seconds=HANG_SECONDS))
             torch._C._distributed_c10d._register_process_group(group, pg)
