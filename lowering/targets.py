@@ -29,7 +29,18 @@ COLLECTIVE_NAMESPACES = ("_c10d_functional", "c10d_functional", "_c10d_functiona
 # Shard(i) -> Shard(j) redistribution): lowered as opaque collectives of their group, kept in
 # place and in order with the group's other collectives (read as compute, a reorder could put
 # them on another side of a group's collective on one rank than on another)
-SYNCHRONOUS_COLLECTIVES = frozenset({"_dtensor::shard_dim_alltoall"})
+#: and torch's symmetric-memory collectives (async tensor parallelism's fused all-gather-matmul and
+#: matmul-reduce-scatter, which Inductor's micro-pipeline pass emits; symmetric-memory all-reduces,
+#: all-to-alls, broadcasts a user calls): each takes a `group_name` and completes when called
+SYNCHRONOUS_COLLECTIVES = frozenset({"_dtensor::shard_dim_alltoall"} | {f"symm_mem::{name}" for name in (
+    "fused_all_gather_matmul", "fused_all_gather_scaled_matmul", "fused_matmul_reduce_scatter",
+    "fused_scaled_matmul_reduce_scatter", "_low_contention_all_gather", "_low_contention_reduce_scatter",
+    "one_shot_all_reduce", "one_shot_all_reduce_out", "one_shot_all_reduce_copy", "one_shot_all_reduce_copy_out",
+    "two_shot_all_reduce_", "two_shot_all_reduce_out", "multimem_all_reduce_", "multimem_one_shot_all_reduce",
+    "multimem_one_shot_all_reduce_out", "multimem_one_shot_reduce_out", "multimem_all_gather_out",
+    "reduce_scatter_out", "all_to_all_vdev", "all_to_all_vdev_2d", "all_to_all_vdev_2d_offset",
+    "nvshmem_all_to_all", "nvshmem_broadcast", "nccl_reduce_scatter_offset", "tile_reduce",
+    "multi_root_tile_reduce", "get_remote_tensors")})
 
 
 def target_name(node: fx.Node) -> str:

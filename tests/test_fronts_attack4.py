@@ -562,3 +562,51 @@ def test_a_ring_exchange_beside_fsdp_in_legal_orders_and_pipelines_is_bitwise_wi
     orders = _legal_orders(lower(_cp_build(0, 2)), most=0)
     results = run_ranks(_run_orders, 2, args=(_cp_build, (DP, "cp"), orders, pipelines, _cp_feeds), timeout=1200)
     _check(results, orders, pipelines)
+
+
+# --------------------------------------------------------------------------- symmetric memory (async tensor parallelism)
+
+
+def _symm_mem_graph(kind: str):
+    """A TP all-reduce, then a symmetric-memory collective of the same group (Inductor's async-TP
+    pass fuses all-gather + matmul into `symm_mem::fused_all_gather_matmul`, matmul +
+    reduce-scatter into `fused_matmul_reduce_scatter`; `two_shot_all_reduce_` is one a user calls),
+    then another all-reduce of the group on something the middle one does not read."""
+    import operator
+
+    import torch.distributed._symmetric_memory  # noqa: F401  (registers symm_mem::)
+
+    symm = torch.ops.symm_mem
+    g = fx.Graph()
+    a, b, y = g.placeholder("a"), g.placeholder("b"), g.placeholder("y")
+    first = g.call_function(c10d.wait_tensor.default, (g.call_function(c10d.all_reduce.default, (y, "sum", "tp")),))
+    if kind == "fused_all_gather_matmul":
+        r = g.call_function(symm.fused_all_gather_matmul.default, (a, [b], 0, "tp"))
+        out = g.call_function(operator.getitem, (g.call_function(operator.getitem, (r, 1)), 0))
+    elif kind == "fused_matmul_reduce_scatter":
+        out = g.call_function(symm.fused_matmul_reduce_scatter.default, (a, b, "sum", 0, "tp"))
+    else:
+        out = g.call_function(symm.two_shot_all_reduce_.default, (a, "sum", "tp"))
+    last = g.call_function(c10d.all_reduce.default, (g.call_function(aten.mul.Tensor, (y, 2)), "sum", "tp"))
+    g.output((first, g.call_function(aten.mul.Tensor, (out, 1)), g.call_function(c10d.wait_tensor.default, (last,))))
+    return fx.GraphModule(torch.nn.Module(), g)
+
+
+@pytest.mark.parametrize("kind", ["fused_all_gather_matmul", "fused_matmul_reduce_scatter", "two_shot_all_reduce_"])
+def test_symmetric_memory_collectives_are_synchronous_collectives_of_their_group(kind):
+    """`symm_mem::*` collectives (async TP's fused all-gather-matmul and matmul-reduce-scatter,
+    symmetric-memory all-reduces, all-to-alls) take a `group_name` and complete when called, as
+    `_dtensor::shard_dim_alltoall` does. They were compute (`two_shot_all_reduce_`: a write of its
+    input): in no collective order (of the 3 legal orders of the three collectives, 2 moved it
+    across the group's all-reduces) and missing from the ranks' agreement check. Each is an opaque
+    collective of its group now (`SYNCHRONOUS_COLLECTIVES`). (They need CUDA: structure only.)"""
+    from fxsched.ir import Opaque
+    from fxsched.runtime.agreement import collective_entries
+
+    gm = _symm_mem_graph(kind)
+    program = lower(gm)
+    op = program.op(f"{kind}_default")
+    assert isinstance(op, Opaque) and op.group == "tp" and op.reason == "synchronous collective"
+    order = {(u, v) for u, v, e in program.graph.edges(data=True) if e.get("why") == "collective-order"}
+    assert order == {("all_reduce_default", op.name), (op.name, "all_reduce_default_1")}
+    assert [e["kind"].split(".")[1] for e in collective_entries(gm)] == ["all_reduce", kind, "all_reduce"]
