@@ -40,7 +40,9 @@ SYNCHRONOUS_COLLECTIVES = frozenset({"_dtensor::shard_dim_alltoall"} | {f"symm_m
     "multimem_one_shot_all_reduce_out", "multimem_one_shot_reduce_out", "multimem_all_gather_out",
     "reduce_scatter_out", "all_to_all_vdev", "all_to_all_vdev_2d", "all_to_all_vdev_2d_offset",
     "nvshmem_all_to_all", "nvshmem_broadcast", "nccl_reduce_scatter_offset", "tile_reduce",
-    "multi_root_tile_reduce", "get_remote_tensors")})
+    "multi_root_tile_reduce", "get_remote_tensors")} | {
+    # torch-npu's matmuls fused with TP's collective (their group is `hcom`: read as unknown)
+    "npu::npu_mm_all_reduce_base", "npu::npu_all_gather_base_mm", "npu::npu_mm_reduce_scatter_base"})
 
 
 def target_name(node: fx.Node) -> str:

@@ -610,3 +610,50 @@ def test_symmetric_memory_collectives_are_synchronous_collectives_of_their_group
     order = {(u, v) for u, v, e in program.graph.edges(data=True) if e.get("why") == "collective-order"}
     assert order == {("all_reduce_default", op.name), (op.name, "all_reduce_default_1")}
     assert [e["kind"].split(".")[1] for e in collective_entries(gm)] == ["all_reduce", kind, "all_reduce"]
+
+
+#: torch-npu's fused matmul-communication ops (Ascend's async TP), registered by name and schema as
+#: torch-npu registers them (torch-npu itself is never imported); their group is an HCCL comm name
+_NPU = torch.library.Library("npu", "FRAGMENT")
+for _schema, _impl in [
+    ("npu_mm_all_reduce_base(Tensor x1, Tensor x2, str hcom, *, str reduce_op='sum', Tensor? bias=None, "
+     "int comm_turn=0) -> Tensor", lambda x1, x2, hcom, **kw: x1 @ x2),
+    ("npu_all_gather_base_mm(Tensor x1, Tensor x2, str hcom, int world_size, *, Tensor? bias=None, "
+     "int gather_index=0, bool gather_output=True, int comm_turn=0) -> (Tensor, Tensor)",
+     lambda x1, x2, hcom, world_size, **kw: (x1 @ x2, x1.clone())),
+    ("npu_mm_reduce_scatter_base(Tensor x1, Tensor x2, str hcom, int world_size, *, str reduce_op='sum', "
+     "Tensor? bias=None, int comm_turn=0) -> Tensor", lambda x1, x2, hcom, world_size, **kw: x1 @ x2),
+]:
+    _NPU.define(_schema.replace("'", '"'))
+    _NPU.impl(_schema.split("(")[0], _impl, "CompositeExplicitAutograd")
+
+
+@pytest.mark.parametrize("kind", ["npu_mm_all_reduce_base", "npu_all_gather_base_mm", "npu_mm_reduce_scatter_base"])
+def test_ascends_fused_matmul_communication_ops_are_synchronous_collectives(kind):
+    """torch-npu's `npu_mm_all_reduce_base`, `npu_all_gather_base_mm`, `npu_mm_reduce_scatter_base`
+    (TP's matmul fused with its collective on Ascend) were compute: in no collective order and
+    missing from the ranks' agreement check, as symm_mem's. They are synchronous collectives now;
+    their group (`hcom`, an HCCL comm name, not a `group_name`) is read as unknown, so each keeps
+    its order with every group's collectives."""
+    import operator
+
+    from fxsched.ir import Opaque
+    from fxsched.runtime.agreement import collective_entries
+
+    npu = torch.ops.npu
+    g = fx.Graph()
+    a, b, y = g.placeholder("a"), g.placeholder("b"), g.placeholder("y")
+    first = g.call_function(c10d.wait_tensor.default, (g.call_function(c10d.all_reduce.default, (y, "sum", "tp")),))
+    args = (a, b, "hccl_tp") if kind == "npu_mm_all_reduce_base" else (a, b, "hccl_tp", 2)
+    out = g.call_function(getattr(npu, kind).default, args)
+    if kind == "npu_all_gather_base_mm":
+        out = g.call_function(operator.getitem, (out, 0))
+    last = g.call_function(c10d.all_reduce.default, (g.call_function(aten.mul.Tensor, (y, 2)), "sum", "tp"))
+    g.output((first, g.call_function(aten.mul.Tensor, (out, 1)), g.call_function(c10d.wait_tensor.default, (last,))))
+    gm = fx.GraphModule(torch.nn.Module(), g)
+    program = lower(gm)
+    op = program.op(f"{kind}_default")
+    assert isinstance(op, Opaque) and op.reason == "synchronous collective"
+    order = {(u, v) for u, v, e in program.graph.edges(data=True) if e.get("why") == "collective-order"}
+    assert order == {("all_reduce_default", op.name), (op.name, "all_reduce_default_1")}
+    assert [e["kind"].split(".")[1] for e in collective_entries(gm)] == ["all_reduce", kind, "all_reduce"]
