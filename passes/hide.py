@@ -65,9 +65,12 @@ class Hide(ModulePass):
         launches = sorted((schedule.index(op.name), op.name, op) for op in all_launches if op.name not in gather_names)
         start_at = list(accumulate(costs, initial=0.0))[:-1]
 
-        streams: dict[str, list[Gather]] = {}
+        # each gather with its launch op, read once: the loop below replaces a gather's op only
+        # after reading it (an op's lookup by name costs a cache miss or more at 100k nodes)
+        streams: dict[str, list[tuple[Gather, Launch]]] = {}
         for g in gathers.gathers:
-            streams.setdefault(stream_of(program.op(g.launch)), []).append(g)
+            op = program.op(g.launch)
+            streams.setdefault(stream_of(op), []).append((g, op))
         fixed: dict[str, list[tuple[float, float]]] = {}
         for at, name, op in launches:
             if op.role is Role.REDUCE_SCATTER:
@@ -90,8 +93,7 @@ class Hide(ModulePass):
             busy = sorted(fixed.get(stream, []))
             limit = float("inf")
             # latest deadline first; equal deadlines by name, which no reordering changes
-            for g in sorted(members, key=lambda g: (needed[g.launch], g.launch), reverse=True):
-                op = program.op(g.launch)
+            for g, op in sorted(members, key=lambda m: (needed[m[0].launch], m[0].launch), reverse=True):
                 if held_by_lowering(op):
                     stats["held"] += 1  # lowering held it: leave its reason
                     continue
