@@ -22,7 +22,7 @@ from itertools import accumulate, count
 import attrs
 
 from ..cost.model import CostAnalysis
-from ..ir import Program
+from ..ir import Launch, Program
 from .base import ModulePass, PassContext, PassResult, check_budget, option, register_pass
 from .budget import MaxTree
 from .feeders import Feeders
@@ -48,7 +48,10 @@ class OrderGathers(ModulePass):
         schedule = program.schedule
         pos = schedule.index
         owner = {n: g for g in analysis.gathers for n in g.chain}
-        runs = _runs(program, analysis.gathers, owner)
+        # each gather's launch op, read once (a lookup by name costs a cache miss or more at 100k
+        # nodes): a gather's op is replaced only after its run has read it
+        ops = {g.launch: program.op(g.launch) for g in analysis.gathers}
+        runs = _runs(program, analysis.gathers, owner, ops)
         # early bytes in flight over the slots of this order; a run's gathers are counted from
         # the run's first slot, wherever in the run they end up
         start = {g.launch: first for run in runs for first in (pos(run[0].chain[0]),) for g in run}
@@ -57,7 +60,7 @@ class OrderGathers(ModulePass):
         # once (a range add per gather was most of this pass: thousands of walks up the tree)
         live = [0] * (len(schedule) + 2)
         for g in analysis.gathers:
-            op = program.op(g.launch)
+            op = ops[g.launch]
             if op.prefetched and op.nbytes:
                 lo, hi = start.get(g.launch, pos(g.launch)), pos(g.first_consumer)
                 if lo < hi:
@@ -80,8 +83,8 @@ class OrderGathers(ModulePass):
                 continue
             if move is not None:
                 move.take()
-            newly = [(start[g.launch], pos(g.first_consumer), program.op(g.launch).nbytes)
-                     for g in ahead if not program.op(g.launch).prefetched]
+            newly = [(start[g.launch], pos(g.first_consumer), ops[g.launch].nbytes)
+                     for g in ahead if not ops[g.launch].prefetched]
             if newly and (limit == 0 or not _admit(tree, newly, limit)):  # 0: no early launch at all, as in budget
                 stats["over budget"] += 1
                 if move is not None:
@@ -92,7 +95,7 @@ class OrderGathers(ModulePass):
             stats["reordered"] += 1
             stats["moved ahead"] += len(ahead)
             for g in ahead:
-                program.replace(attrs.evolve(program.op(g.launch), prefetched=True))
+                program.replace(attrs.evolve(ops[g.launch], prefetched=True))
         return PassResult(stats["reordered"] > 0, stats)
 
 
@@ -135,7 +138,8 @@ def _admit(tree: MaxTree, spans: list[tuple[int, int, int]], limit: int) -> bool
     return True
 
 
-def _runs(program: Program, gathers: tuple[Gather, ...], owner: dict[str, Gather]) -> list[list[Gather]]:
+def _runs(program: Program, gathers: tuple[Gather, ...], owner: dict[str, Gather],
+          ops: dict[str, Launch]) -> list[list[Gather]]:
     """Maximal runs (two or more) of contiguous gather chains that follow each other directly."""
     pos = program.schedule.index
     runs: list[list[Gather]] = []
@@ -145,7 +149,7 @@ def _runs(program: Program, gathers: tuple[Gather, ...], owner: dict[str, Gather
     # lookup costs a cache miss or more at 100k nodes)
     for first, _, g in sorted(zip(map(pos, [g.chain[0] for g in gathers]), count(), gathers)):
         last = first if len(g.chain) == 1 else pos(g.chain[-1])
-        op = program.op(g.launch)
+        op = ops[g.launch]
         # a chain split by other nodes does not move as one here; a gather of unknown size or
         # held by lowering must not move early at all
         contiguous = (last - first + 1 == len(g.chain) and all(owner.get(n) is g for n in g.chain)
