@@ -928,7 +928,9 @@ def _lower_in_order(gm: fx.GraphModule) -> tuple[Program, bool]:
     if lowering.module_calls:
         _module_state_barriers(ops, lowering)
     program.add_all(ops)
-    order = list(map(_NAME, nodes))
+    # the names as add_all just entered them, in the graph's order: read off the node table's
+    # own entries, not off the FX nodes again (each out of cache by now at 100k nodes)
+    order = list(program.graph._node)
     program.payload.update(zip(order, nodes))
     if lowering.late_forward:
         program.notes.append(f"{lowering.late_forward} untagged nodes after the first backward node: "
