@@ -17,11 +17,12 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
+from collections.abc import Callable
 
 import attrs
 
 from ..cost.model import CostAnalysis
-from ..ir import Program, Schedule
+from ..ir import Launch, Program, Schedule
 from ..ir.holds import OVER_BUDGET, OVER_PEAK_CAP, UNKNOWN_SIZE
 from .base import ModulePass, PassContext, PassResult, check_budget, option, register_pass
 from .feeders import Feeders
@@ -42,8 +43,9 @@ class _InFlight:
     chained nodes, whose gap changes as they are placed, are kept in a table.
     """
 
-    def __init__(self, program: Program, analysis: GatherAnalysis, limit: int):
+    def __init__(self, program: Program, analysis: GatherAnalysis, limit: int, ops: dict[str, Launch]):
         self.index = program.schedule.index
+        self.ops = ops  # launch -> its op (Budget.apply's table: the bytes are read there, not by name)
         chained = {n for g in analysis.gathers for n in g.chain}
         self.chained_at = sorted(map(self.index, chained))
         # the k-th chained node, at position p, has p - k unchained nodes before it: it sits in
@@ -65,7 +67,7 @@ class _InFlight:
 
     def keep(self, g: Gather) -> None:
         """Count a gather an earlier run moved as in flight where it is now."""
-        nbytes = self.program.op(g.launch).nbytes
+        nbytes = self.ops[g.launch].nbytes
         if nbytes is not None:
             self.live[g.launch] = self.span(g, g.launch)
             self.tree.add(*self.live[g.launch], nbytes)
@@ -76,7 +78,7 @@ class _InFlight:
         return self._gap(target), (self.gap[consumer] + 1 if consumer in self.gap else self._fixed(consumer))
 
     def admit(self, g: Gather, target: str) -> str | None:
-        nbytes = self.program.op(g.launch).nbytes
+        nbytes = self.ops[g.launch].nbytes
         if nbytes is None:
             return UNKNOWN_SIZE
         old = self.live.pop(g.launch, None)  # moved by an earlier run, moving again: count it once
@@ -97,7 +99,7 @@ class _InFlight:
     def fits(self, g: Gather, target: str) -> bool:
         """Whether `admit(g, target)` would fit the budget (a probe: counts nothing; a gather an
         earlier run moved counts where it is too, so a probe may refuse what admit takes)."""
-        nbytes = self.program.op(g.launch).nbytes
+        nbytes = self.ops[g.launch].nbytes
         return nbytes is not None and self.tree.max(*self.span(g, target)) + nbytes <= self.limit
 
 
@@ -146,14 +148,17 @@ class Budget(ModulePass):
         analysis = ctx.get(GatherAnalysis, program)
         limit = int(self.max_in_flight_gb * 2**30)
         stats = {"admitted": 0, OVER_BUDGET: 0, UNKNOWN_SIZE: 0, NO_EARLIER_SLOT: 0, "budget_bytes": limit}
-        flight = _InFlight(program, analysis, limit)
+        # each gather's launch op, read once (a lookup by name costs a cache miss or more at 100k
+        # nodes; this pass read each three to five times) and kept current as it replaces them
+        ops = {g.launch: program.op(g.launch) for g in analysis.gathers}
+        flight = _InFlight(program, analysis, limit, ops)
         order = program.schedule.copy()  # planned on, not kept: prefetch makes the moves
         room = headroom(ctx, program, order)  # the joint peak-memory cap, when one is in force
         if room is not None:
             stats[OVER_PEAK_CAP] = 0
             stats[LATER_FOR_CAP] = 0
         for g in analysis.gathers:  # gathers moved by an earlier run stay in flight
-            if program.op(g.launch).prefetched:
+            if ops[g.launch].prefetched:
                 flight.keep(g)
 
         def admit(g: Gather, target: str) -> str | None:
@@ -176,7 +181,7 @@ class Budget(ModulePass):
             later = LaterForBudget(flight, order, cap_later)
             stats[LATER_FOR_BUDGET] = 0
             # and what is needed after a chain moved later launches after it (placement.NeedOrder)
-            need_order = NeedOrder(program, order)
+            need_order = NeedOrder(program, order, ops.__getitem__)
             stats[AFTER_MOVED_LATER] = 0
 
         changed = False
@@ -184,30 +189,32 @@ class Budget(ModulePass):
         for g, target, reason in plan(program, analysis, order, admit, later, need_order):
             stats["admitted" if reason is None else reason] += 1
             if reason is not None:
-                program.replace(attrs.evolve(program.op(g.launch), hold=reason))
+                program.replace(op := attrs.evolve(ops[g.launch], hold=reason))
+                ops[g.launch] = op
                 changed = True
             else:
                 admitted.append(g)
                 if later is not None and later.took(g, target):  # prefetch moves it there
                     for_cap = cap_later is not None and cap_later.took(g, target)
                     stats[LATER_FOR_CAP if for_cap else LATER_FOR_BUDGET] += 1
-                    program.replace(attrs.evolve(program.op(g.launch), anchor=target))
+                    program.replace(op := attrs.evolve(ops[g.launch], anchor=target))
+                    ops[g.launch] = op
                     changed = True
                 elif need_order is not None and need_order.took(g, target):  # so prefetch moves it there
                     stats[AFTER_MOVED_LATER] += 1
-                    program.replace(attrs.evolve(program.op(g.launch), anchor=target))
+                    program.replace(op := attrs.evolve(ops[g.launch], anchor=target))
+                    ops[g.launch] = op
                     changed = True
         # prefetch, run next on this program, would make these very moves: hand it the plan
         # (budget moves no op of the program: its order is the one planned on)
-        ctx.placed = Planned(program, analysis, program.schedule.names(), _marks(program, analysis), order,
+        ctx.placed = Planned(program, analysis, program.schedule.names(), _marks(analysis, ops.__getitem__), order,
                              tuple(admitted)) if room is None else None
         return PassResult(changed, stats)
 
 
-def _marks(program: Program, analysis: GatherAnalysis) -> list[tuple[str | None, str | None]]:
-    """What `plan` reads of each gather's launch op: its anchor and hold."""
-    node = program.node_data
-    return [(op.anchor, op.hold) for op in (node[g.launch]["op"] for g in analysis.gathers)]
+def _marks(analysis: GatherAnalysis, op_of: Callable[[str], Launch]) -> list[tuple[str | None, str | None]]:
+    """What `plan` reads of each gather's launch op (`op_of(launch)`): its anchor and hold."""
+    return [(op.anchor, op.hold) for op in map(op_of, (g.launch for g in analysis.gathers))]
 
 
 @attrs.frozen(eq=False)
@@ -231,4 +238,4 @@ class Planned:
 
     def valid(self, program: Program, analysis: GatherAnalysis) -> bool:
         return (program is self.program and analysis is self.analysis
-                and program.schedule.names() == self.before and _marks(program, analysis) == self.marks)
+                and program.schedule.names() == self.before and _marks(analysis, program.op) == self.marks)

@@ -86,8 +86,11 @@ class NeedOrder:
     generated nodes, so it is not done; a cheaper test would be whether the stream is still busy
     when the one moved later launches."""
 
-    def __init__(self, program: Program, schedule: Schedule):
+    def __init__(self, program: Program, schedule: Schedule, op_of: Callable[[str], Launch] | None = None):
         self.program, self.schedule = program, schedule
+        # launch -> its op (budget hands its table over: a lookup by name costs a cache miss or
+        # more at 100k nodes); the program's own by default
+        self.op_of = op_of or program.op
         # stream -> (need position, target) of the latest chain moved later: what is bounded by it
         # goes before the same target, after it and after the chains placed there since
         self.last: dict[str, tuple[int, str]] = {}
@@ -95,7 +98,7 @@ class NeedOrder:
 
     def bound(self, g: Gather) -> int:
         """The earliest position `g`'s chain may go to (-1: none)."""
-        last = self.last.get(stream_of(self.program.op(g.launch)))
+        last = self.last.get(stream_of(self.op_of(g.launch)))
         if last is None or last[0] > self.schedule.index(g.first_consumer):
             return -1  # needed before the one moved later (gathers go in entry order): no bound
         return self.schedule.index(last[1])
@@ -106,7 +109,7 @@ class NeedOrder:
 
     def placed(self, g: Gather, target: str) -> None:
         """`g`'s chain went later than its anchor: it bounds those needed after it."""
-        stream = stream_of(self.program.op(g.launch))
+        stream = stream_of(self.op_of(g.launch))
         need = self.schedule.index(g.first_consumer)
         last = self.last.get(stream)
         if last is None or need >= last[0]:  # one needed earlier (out of entry order) bounds nothing after it
