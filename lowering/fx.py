@@ -160,6 +160,8 @@ class _Lowering:
         # a view of one (its subgraph returns an input at a position fxsched cannot tell) -> those
         # operands: its `may_alias` (`hop_alias`)
         self.one_of: dict[str, tuple[str, ...]] = {}
+        # a view of several tensors whose i-th element views the i-th of these alone (`viewed_items`)
+        self.items: dict[str, tuple[str, ...]] = {}
         self.returns: dict[int, list[int] | None] = {}  # id of a subgraph -> `returned_inputs`
         self.unorder_tagged: list[fx.Node] = []  # nodes tagged `fsdp_unordered` (read back by `collective`)
         self.fake_mode = None  # the FakeTensorMode of the first val with storage (see `storage`)
@@ -278,6 +280,31 @@ class _Lowering:
         if at < len(node.args) and not argument.kwarg_only:
             return node.args[at]
         return node.kwargs.get(argument.name)
+
+    def viewed_items(self, node: fx.Node, info: _Target) -> tuple[str, ...] | None:
+        """Per element of a view of several tensors, the one tensor it views, where that is known:
+        `broadcast_tensors`' and `meshgrid`'s i-th result views the i-th tensor given (a list, or
+        Python's varargs), a custom op's by its schema (`_viewed_items`); None where not
+        (`Tensor(a)[] -> Tensor(a)[]`, an element that is no node)."""
+        if info.viewed_items:
+            values = [self.argument(node, info.schema, at) for at in info.viewed_items]
+        elif info.positional:
+            args = node.args
+            values = list(args[0]) if len(args) == 1 and isinstance(args[0], (list, tuple)) else list(args)
+        else:
+            return None
+        if not values or not all(isinstance(v, fx.Node) for v in values):
+            return None
+        return tuple(v.name for v in values)
+
+    def item(self, node: fx.Node) -> str | None:
+        """The one tensor `getitem(source, i)` views, when `source` is in `items`."""
+        if len(node.args) != 2 or node.kwargs or not isinstance(node.args[0], fx.Node):
+            return None
+        items, at = self.items.get(node.args[0].name), node.args[1]
+        if items is None or type(at) is not int or not -len(items) <= at < len(items):
+            return None
+        return items[at]
 
     def result_item(self, node: fx.Node) -> None:
         """`getitem(source, i)` of a result in `results` (at any depth): record what it is, the
@@ -555,8 +582,19 @@ class _Lowering:
         if info.view:
             if self.results and node.target is operator.getitem:
                 self.result_item(node)
+            if self.items and node.target is operator.getitem:
+                item = self.item(node)
+                if item is not None:
+                    # an element of a view of several tensors that views one known tensor: an alias
+                    # of it alone (ordered with its writes, not every source's). A View's source is
+                    # its first operand, which raising reads as the node's (the tuple), so a
+                    # Compute that also reads that tensor and aliases it
+                    return Compute.make(name, (*operands, item), phase, types, target=target, alias=item)
             several = sources if len(sources) > 1 else (operands if info.several and len(operands) > 1 else ())
             if several:
+                items = self.viewed_items(node, info)
+                if items is not None:
+                    self.items[name] = items
                 # views of each of several tensors (`broadcast_tensors(a, b)`, `meshgrid`, a custom
                 # op's `(Tensor(a) x, Tensor(b) y) -> (Tensor(a), Tensor(b))` or `Tensor(a)[] ->
                 # Tensor(a)[]`): a View has one source, so the result may be each of theirs, and each

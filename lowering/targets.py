@@ -140,9 +140,11 @@ class _Target(NamedTuple):
     group_size_at: int | None  # position of the (last) `group_size` argument
     reduce_op_at: int | None  # position of the `reduce_op` argument, if the schema has one
     several: bool  # may return views of each of several tensors it is given (`_SEVERAL`)
+    positional: bool  # of those, one whose element i views the i-th tensor given (`_POSITIONAL`)
     python_written: tuple  # a Python call's: the schemas of aten's overloads of its name that write
     returned: tuple[int | None, ...]  # per element of a tuple result, the argument it is (`_returned`), or ()
     viewed: tuple[int, ...]  # positions of the arguments the result views by schema, if not the first alone (`_viewed`)
+    viewed_items: tuple[int, ...]  # per element of a tuple result, the one argument it views (`_viewed_items`), or ()
 
 
 def _composite(schema) -> bool:
@@ -169,6 +171,9 @@ MAY_RETURN_INPUT = frozenset({
 #: of them, those that return (views of) all of several tensors they are given
 _SEVERAL = frozenset({"broadcast_tensors", "meshgrid", "atleast_1d", "atleast_2d", "atleast_3d",
                       "flatten_dense_tensors"})
+#: of those, the ones whose i-th result views the i-th tensor given, and only it (an expand of it;
+#: meshgrid's "xy" swaps its first two inputs and its first two results back)
+_POSITIONAL = frozenset({"broadcast_tensors", "meshgrid"})
 
 
 #: Tensor methods with no aten op of their name that return the tensor itself when it already
@@ -446,6 +451,7 @@ def _classify(op: str, target) -> _Target:
         side_effect=schema is None and ((call and _distributed(module, short))
                                         or (short == "backward" and (op == "call_method" or module.split(".")[0] == "torch"))),
         several=view and base in _SEVERAL,
+        positional=view and base in _POSITIONAL,
         python_written=_python_written(short) if schema is None and (
             op == "call_method" or (call and module.split(".")[0] == "torch")) else (),
         group_at=arguments.index("group_name") if "group_name" in arguments else None,
@@ -453,6 +459,7 @@ def _classify(op: str, target) -> _Target:
         reduce_op_at=arguments.index("reduce_op") if "reduce_op" in arguments else None,
         returned=_returned(schema) if schema is not None else (),
         viewed=_viewed(schema) if schema is not None else (),
+        viewed_items=_viewed_items(schema) if schema is not None else (),
     )
 
 
@@ -475,6 +482,27 @@ def _viewed(schema) -> tuple[int, ...]:
     if found == (0,) and not isinstance(schema.arguments[0].type, torch.ListType):
         return ()
     return found
+
+
+def _viewed_items(schema) -> tuple[int, ...]:
+    """For a tuple result whose every element views one argument by its own alias set
+    (`(Tensor(a) x, Tensor(b) y) -> (Tensor(a), Tensor(b))`), per element that argument's
+    position; () otherwise: a single result, an element fresh or of a list's set (`Tensor(a)[] ->
+    Tensor(a)[]`, whose positions nothing pins), or a set several arguments share."""
+    if len(schema.returns) < 2:
+        return ()
+    found = []
+    for r in schema.returns:
+        info = r.alias_info
+        if info is None or info.is_write or not info.before_set or not isinstance(r.type, torch.TensorType):
+            return ()
+        at = [i for i, a in enumerate(schema.arguments)
+              if a.alias_info is not None and not a.alias_info.is_write
+              and set(a.alias_info.before_set) & set(info.before_set)]
+        if len(at) != 1 or not isinstance(schema.arguments[at[0]].type, torch.TensorType):
+            return ()
+        found.append(at[0])
+    return tuple(found)
 
 
 def _returned(schema) -> tuple[int | None, ...]:
