@@ -163,6 +163,7 @@ class _Lowering:
         # a view of several tensors whose i-th element views the i-th of these alone (`viewed_items`)
         self.items: dict[str, tuple[str, ...]] = {}
         self.returns: dict[int, list[int] | None] = {}  # id of a subgraph -> `returned_inputs`
+        self.returns_each: dict[int, list[tuple[int, ...]] | None] = {}  # id of a subgraph -> per element, those
         self.unorder_tagged: list[fx.Node] = []  # nodes tagged `fsdp_unordered` (read back by `collective`)
         self.fake_mode = None  # the FakeTensorMode of the first val with storage (see `storage`)
         self.results: dict[str, tuple | list] = {}  # an op returning its arguments (or a getitem of its result) -> what it returns
@@ -246,6 +247,15 @@ class _Lowering:
         found = list(dict.fromkeys(found))
         if len(found) > 1:
             self.one_of[node.name] = tuple(n.name for n in found)
+            each = [self.returns_each.get(id(sub)) for sub in subgraphs] if operands is not None else [None]
+            if (all(e is not None and e == each[0] for e in each)
+                    and len(operands) == len(subgraphs[0].graph.find_nodes(op="placeholder"))):
+                # every subgraph returns a tuple whose elements each share one input's storage (the
+                # same in each: `cond`'s branches), or none: a getitem of such an element is an alias
+                # of that operand alone (`item`), the others views of the op, which may be each
+                self.items[node.name] = tuple(
+                    operands[ats[0]].name if len(ats) == 1 and isinstance(operands[ats[0]], fx.Node) else None
+                    for ats in each[0])
             return None
         return found[0].name if found else None
 
@@ -266,6 +276,12 @@ class _Lowering:
             returned = {root for n in (output.all_input_nodes if output is not None else ())
                         for root in storage_candidates(program, n.name, roots)}
             self.returns[key] = [at for at, name in enumerate(inputs) if name in returned]
+            # per element of a returned tuple, the inputs it may share storage with (None: no tuple)
+            elements = output.args[0] if output is not None and output.args else None
+            self.returns_each[key] = None if not isinstance(elements, (list, tuple)) else [
+                tuple(at for at, name in enumerate(inputs)
+                      if isinstance(e, fx.Node) and name in storage_candidates(program, e.name, roots))
+                for e in elements]
         return self.returns[key]
 
     def viewed(self, node: fx.Node, info: _Target) -> tuple[str, ...]:
@@ -304,7 +320,7 @@ class _Lowering:
         items, at = self.items.get(node.args[0].name), node.args[1]
         if items is None or type(at) is not int or not -len(items) <= at < len(items):
             return None
-        return items[at]
+        return items[at]  # (None: an element of no one known operand's storage)
 
     def result_item(self, node: fx.Node) -> None:
         """`getitem(source, i)` of a result in `results` (at any depth): record what it is, the
