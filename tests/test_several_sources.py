@@ -328,3 +328,26 @@ def test_a_cond_whose_branches_return_different_operands_keeps_its_getitem_a_vie
     program = lower(_graph(build, root))
     (item,) = [o for o in program.ops() if getattr(o, "target", None) == "_operator.getitem"]
     assert type(item).__name__ == "View" and item.operands == ("cond",)
+
+
+def test_a_read_through_broadcast_tensors_after_a_free_of_its_own_source_is_a_use_after_free():
+    """A gathered weight broadcast with the activation, freed, then the weight's element read: the
+    element was a view of the call, which may be either storage, so the read was only a note
+    (taken for fresh storage); now it aliases the weight, and the free before it is refused."""
+    from fxsched.front import fsdp_free_storage
+    from fxsched.lowering import LoweringError
+
+    c10d, aten = torch.ops._c10d_functional, torch.ops.aten
+
+    def build(g):
+        x, s0 = g.placeholder("x"), g.placeholder("s0")
+        ag = g.call_function(c10d.all_gather_into_tensor.default, (s0, 2, "0"))
+        ag.meta.update(comm_type="fsdp_all_gather", param_name="p0", fsdp_unsharded_nbytes=16)
+        wait = g.call_function(c10d.wait_tensor.default, (ag,))
+        item = g.call_function(operator.getitem, (g.call_function(aten.broadcast_tensors.default, ([wait, x],)), 0))
+        free = g.call_function(fsdp_free_storage, (wait,))
+        free.meta.update(comm_type="fsdp_reshard_free", param_name="p0")
+        g.output((g.call_function(aten.mul.Tensor, (item, 2)),))
+
+    with pytest.raises(LoweringError, match="reads storage that %fsdp_free_storage freed before it"):
+        lower(_graph(build))
