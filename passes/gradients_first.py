@@ -18,7 +18,8 @@ Where two reduce-scatters in a row are both `unordered` (`unorder-reduce-scatter
 is free), the later one goes first, with its ancestors, where by the cost model's times their
 collectives, queued on one stream, end sooner so (a bias's small gradient, traced after the
 matmul of its weight's: its reduce-scatter no longer queues behind the large one at the end;
-`swapped`). The region between the stop before the pair and the later launch is reordered as
+`swapped`; it sweeps until no pair swaps, so that a second run leaves the order as it is).
+The region between the stop before the pair and the later launch is reordered as
 the later one's ancestors, it, the earlier one's other ancestors, it, the rest: legal as the
 windows are.
 
@@ -62,11 +63,20 @@ class GradientsFirst(ModulePass):
                  if (isinstance(op, Launch) and op.role is Role.REDUCE_SCATTER) or isinstance(op, Barrier)]
         cap = getattr(ctx, "peak_cap", None)
         if cap is None or not cap.checks_moves:
-            moved = swapped = 0
-            for at in range(len(stops)):
-                took, swap = _step(program, stops, at, ms)
-                moved, swapped = moved + took, swapped + swap
-            return PassResult(moved + swapped > 0, {"moved": moved, "swapped": swapped})
+            moved = swapped = sweeps = 0
+            # sweeps until no pair swaps (one sweep is one pass of a bubble sort: a second run
+            # on its own output would swap pairs the first sweep made adjacent), at most as many
+            # sweeps as stops: whether a pair swaps depends on what lies between them, so this
+            # bounds it where the comparison is not an order
+            for sweeps in range(1, len(stops) + 1):
+                took_sweep = swap_sweep = 0
+                for at in range(len(stops)):
+                    took, swap = _step(program, stops, at, ms)
+                    took_sweep, swap_sweep = took_sweep + took, swap_sweep + swap
+                moved, swapped = moved + took_sweep, swapped + swap_sweep
+                if not swap_sweep:
+                    break
+            return PassResult(moved + swapped > 0, {"moved": moved, "swapped": swapped, "sweeps": sweeps})
         # checked: chunks of windows on a scratch order, each kept only if its peak fits
         limit = max(cap.limit_bytes, memory_profile(program).peak_bytes)  # an input over it may stay so
         size = max(1, math.ceil(len(stops) / CHUNKS))
