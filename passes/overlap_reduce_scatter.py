@@ -68,7 +68,8 @@ class OverlapReduceScatter(ModulePass):
         # which moves leave as they are: each is found once, for the moves and for the walk
         found = ctx.get(Feeders, program)
         feeders = {name: found.of(name) for name in launches}
-        hoisted = sum(_hoist(program, name, room, feeders[name]) for name in launches) if self.hoist else 0
+        placed: set[str] = set()  # what this run hoisted so far (`_hoist`)
+        hoisted = sum(_hoist(program, name, room, feeders[name], placed) for name in launches) if self.hoist else 0
         # views of each result (a bucket's per-parameter slices) and casts of it (to the
         # gradient's dtype) go down to their uses first, so that the wait can follow them
         tail_sunk = 0  # moves too, even where no wait follows them
@@ -106,13 +107,21 @@ class OverlapReduceScatter(ModulePass):
         return PassResult(hoisted + tail_sunk > 0 or schedule.names() != before, stats)
 
 
-def _hoist(program: Program, launch: str, room: Headroom | None, members: set[str]) -> bool:
+def _hoist(program: Program, launch: str, room: Headroom | None, members: set[str], placed: set[str]) -> bool:
     """Move `launch` and the views that feed only it (`members`: `launch` too) to just after
-    their latest other predecessor, if that fits under the peak cap (`room`). Returns whether
-    it moved."""
+    their latest other predecessor and the launches this run already put there (`placed`, which
+    it extends), if that fits under the peak cap (`room`). Returns whether it moved.
+
+    After those put there: two `unordered` launches (no edge between them) with the same latest
+    predecessor keep their order, so that a second run finds each where the first put it (each
+    went to the slot right after it, so the second landed before the first, and every run
+    swapped them back)."""
     schedule = program.schedule
     pred = program.predecessors  # the raw dict: networkx's view costs more per lookup
     at = max((schedule.index(p) for n in members for p in pred[n] if p not in members), default=-1) + 1
+    placed.update(members)
+    while schedule[at] in placed and schedule[at] not in members:
+        at += 1
     # a coalesced launch's views of several gradients: those already above `at` stay there
     chain = sorted((n for n in members if schedule.index(n) >= at), key=schedule.index)
     while chain and schedule.index(chain[0]) == at:  # already in place
