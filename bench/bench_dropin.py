@@ -11,9 +11,9 @@ nodes), the cases interleaved: the machine may be shared.
 
 Each row records a hash of the scheduled module's code (the schedule, byte for byte).
 Writes bench/out/dropin.{json,md}. Goal (issue 15): drop-in <= 2x one recompile at 18k and
-100k nodes. Latest run (main 09c1597, 2026-12-04 19:18-19:20 UTC, 2-core AMD EPYC machine,
-nothing else running, --repeat 5): 1.72x at 18k and 1.81x at 100k, met (1.70x / 1.70x at bd25a45
-on another machine; README, "Speed"; history in docs/benchmarks.md).
+100k nodes. Latest run (main a6d09c9, 2026-12-04 22:15-22:17 UTC, 2-core AMD EPYC machine,
+nothing else running, --repeat 5): 1.70x at 18k and 1.74x at 100k, met (README, "Speed";
+history in docs/benchmarks.md).
 """
 
 from __future__ import annotations

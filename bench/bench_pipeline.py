@@ -16,10 +16,10 @@ change made for speed can be checked to leave every schedule byte-identical.
 
 Writes bench/out/pipeline.{json,md}. Goals (issue 15), measured in the same run:
 reference and default pipelines at 100k nodes <= 0.75x FX's copy + lint + recompile, and
-time(100k) / time(10k) <= 12 for both. Latest run (main 09c1597, 2026-12-04 19:12 UTC, 2-core
-AMD EPYC machine, nothing else running, --repeat 5): at 100k 0.50x (reference) and 0.64x (default)
-of FX's 6.18 s, met; growth 11.85 / 13.74, not shown (the same code read 16.4 and 11.9 two hours
-apart: README, "Speed"; history in docs/benchmarks.md).
+time(100k) / time(10k) <= 12 for both. Latest run (main a6d09c9, 2026-12-04 22:12 UTC, 2-core
+AMD EPYC machine, nothing else running, --repeat 5): at 100k 0.49x (reference) and 0.64x (default)
+of FX's 5.94 s, met; growth 13.62 / 14.23, not met (09c1597 read 11.85 / 13.74 and the same code
+16.4 and 11.9 two hours apart: README, "Speed"; history in docs/benchmarks.md).
 """
 
 from __future__ import annotations
