@@ -57,13 +57,19 @@ def test_a_higher_order_op_returning_several_of_its_operands_may_be_each(body):
     assert_every_legal_order_computes_the_same(gm, [torch.randn(4), torch.randn(4)])
 
 
+def _cond_branches_returning_a_then_b() -> nn.Module:
+    """A root holding `cond`'s branches: the true one returns its first operand, the false one its
+    second."""
+    root = nn.Module()
+    root.true_graph = make_fx(lambda a, b: (a,))(torch.ones(4), torch.ones(4))
+    root.false_graph = make_fx(lambda a, b: (b,))(torch.ones(4), torch.ones(4))
+    return root
+
+
 def test_a_cond_whose_branches_return_different_operands_may_be_each():
     """`cond(p, a, b)` returning its first operand in one branch and its second in the other: which
     one, nothing says before it runs. Each branch is run (p true and false)."""
-    true_branch = make_fx(lambda a, b: (a,))(torch.ones(4), torch.ones(4))
-    false_branch = make_fx(lambda a, b: (b,))(torch.ones(4), torch.ones(4))
-    root = nn.Module()
-    root.true_graph, root.false_graph = true_branch, false_branch
+    root = _cond_branches_returning_a_then_b()
 
     def build(g):
         p, x, y = g.placeholder("p"), g.placeholder("x"), g.placeholder("y")
@@ -314,10 +320,7 @@ def test_each_element_a_subgraph_returns_from_one_input_aliases_that_operand_alo
 def test_a_cond_whose_branches_return_different_operands_keeps_its_getitem_a_view_of_either():
     """Whose element it is, nothing says before the cond runs: its getitem stays a view of the op
     (which `may_alias` both), not an alias of one."""
-    true_branch = make_fx(lambda a, b: (a,))(torch.ones(4), torch.ones(4))
-    false_branch = make_fx(lambda a, b: (b,))(torch.ones(4), torch.ones(4))
-    root = nn.Module()
-    root.true_graph, root.false_graph = true_branch, false_branch
+    root = _cond_branches_returning_a_then_b()
 
     def build(g):
         p, x, y = g.placeholder("p"), g.placeholder("x"), g.placeholder("y")
