@@ -88,11 +88,9 @@ def test_a_cond_whose_branches_return_different_operands_may_be_each():
         assert_every_legal_order_computes_the_same(gm, [torch.tensor(p), torch.randn(4), torch.randn(4)])
 
 
-@pytest.mark.parametrize("mode", ["real", "fake"])
-@pytest.mark.parametrize("op", ["broadcast_tensors", "meshgrid"])
-def test_views_of_several_sources_whose_second_is_written_keep_their_numbers(op, mode):
-    """`broadcast_tensors(a, b)` / `meshgrid(a, b)` (make_fx keeping them: pre_dispatch) return
-    views of a and of b, then b is written: a LoweringError until now."""
+def _views_of_a_and_b_then_b_written(op: str, mode: str):
+    """`broadcast_tensors(a, b)` / `meshgrid(a, b)` traced by make_fx keeping them (pre_dispatch),
+    its views of a and of b read before and after a write of b; the graph and its inputs."""
     def f(a, b):
         x, y = torch.broadcast_tensors(a, b) if op == "broadcast_tensors" else torch.meshgrid(a, b, indexing="ij")
         before = y * 3
@@ -100,7 +98,15 @@ def test_views_of_several_sources_whose_second_is_written_keep_their_numbers(op,
         return x * 2, before, y * 5, a.neg()
 
     inputs = [torch.randn(3, 1), torch.randn(1, 3)] if op == "broadcast_tensors" else [torch.randn(3), torch.randn(2)]
-    gm = make_fx(f, tracing_mode=mode, pre_dispatch=True)(*[t.clone() for t in inputs])
+    return make_fx(f, tracing_mode=mode, pre_dispatch=True)(*[t.clone() for t in inputs]), inputs
+
+
+@pytest.mark.parametrize("mode", ["real", "fake"])
+@pytest.mark.parametrize("op", ["broadcast_tensors", "meshgrid"])
+def test_views_of_several_sources_whose_second_is_written_keep_their_numbers(op, mode):
+    """`broadcast_tensors(a, b)` / `meshgrid(a, b)` (make_fx keeping them: pre_dispatch) return
+    views of a and of b, then b is written: a LoweringError until now."""
+    gm, inputs = _views_of_a_and_b_then_b_written(op, mode)
     (call,) = [o for o in lower(gm).ops() if o.may_alias]
     assert call.may_alias == tuple(n.name for n in gm.graph.find_nodes(op="placeholder"))
     assert_every_legal_order_computes_the_same(gm, inputs)
@@ -233,14 +239,7 @@ def test_each_element_of_broadcast_tensors_views_its_own_source_only(op, mode):
     order still computes the input's numbers."""
     import networkx as nx
 
-    def f(a, b):
-        x, y = torch.broadcast_tensors(a, b) if op == "broadcast_tensors" else torch.meshgrid(a, b, indexing="ij")
-        before = y * 3
-        b.add_(1)
-        return x * 2, before, y * 5, a.neg()
-
-    inputs = [torch.randn(3, 1), torch.randn(1, 3)] if op == "broadcast_tensors" else [torch.randn(3), torch.randn(2)]
-    gm = make_fx(f, tracing_mode=mode, pre_dispatch=True)(*[t.clone() for t in inputs])
+    gm, inputs = _views_of_a_and_b_then_b_written(op, mode)
     program = lower(gm)
     a, b = (n.name for n in gm.graph.find_nodes(op="placeholder"))
     items = [o for o in program.ops() if getattr(o, "target", None) == "_operator.getitem"]
