@@ -184,26 +184,27 @@ class Budget(ModulePass):
             need_order = NeedOrder(program, order, ops.__getitem__)
             stats[AFTER_MOVED_LATER] = 0
 
+        def mark(g: Gather, **changes) -> None:  # the program's op and this pass's table alike
+            op = ops[g.launch] = attrs.evolve(ops[g.launch], **changes)
+            program.replace(op)
+
         changed = False
         admitted = []
         for g, target, reason in plan(program, analysis, order, admit, later, need_order):
             stats["admitted" if reason is None else reason] += 1
             if reason is not None:
-                program.replace(op := attrs.evolve(ops[g.launch], hold=reason))
-                ops[g.launch] = op
+                mark(g, hold=reason)
                 changed = True
             else:
                 admitted.append(g)
                 if later is not None and later.took(g, target):  # prefetch moves it there
                     for_cap = cap_later is not None and cap_later.took(g, target)
                     stats[LATER_FOR_CAP if for_cap else LATER_FOR_BUDGET] += 1
-                    program.replace(op := attrs.evolve(ops[g.launch], anchor=target))
-                    ops[g.launch] = op
+                    mark(g, anchor=target)
                     changed = True
                 elif need_order is not None and need_order.took(g, target):  # so prefetch moves it there
                     stats[AFTER_MOVED_LATER] += 1
-                    program.replace(op := attrs.evolve(ops[g.launch], anchor=target))
-                    ops[g.launch] = op
+                    mark(g, anchor=target)
                     changed = True
         # prefetch, run next on this program, would make these very moves: hand it the plan
         # (budget moves no op of the program: its order is the one planned on)
