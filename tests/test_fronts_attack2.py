@@ -29,6 +29,23 @@ def _raised_in_random_orders(program, count: int, seed: int = 0):
         yield order, raise_program(program)
 
 
+def assert_bitwise_on_two_ranks(make_graph, feeds, orders: int, pipelines=(), what: str = "a schedule",
+                                 key: str = "graph") -> None:
+    """`make_graph()`'s graph, its schedule under each of `pipelines` (each from a fresh graph) and
+    `orders` seeded random legal orders of it compute the same numbers on 2 gloo ranks (`feeds`:
+    each rank's inputs; collectives on group "0")."""
+    import fxsched
+    from fxsched.runtime import run_ranks
+
+    from ranks import check_bitwise, run_all
+
+    gm = make_graph()
+    jobs = [gm, *(fxsched.schedule(make_graph(), p).graph_module for p in pipelines),
+            *(raised for _, raised in _raised_in_random_orders(lower(gm), orders))]
+    results = run_ranks(run_all, 2, args=([(job, feeds) for job in jobs],), timeout=600, group_name="0")
+    check_bitwise(results, [key], what, per_key=len(jobs))
+
+
 def assert_random_legal_orders_compute_the_same(gm: fx.GraphModule, inputs, count: int = 60, seed: int = 0) -> None:
     """As `assert_every_legal_order_computes_the_same`, on `count` seeded random topological orders:
     on a graph of twenty nodes the first few hundred orders networkx lists all keep the head."""
@@ -314,16 +331,9 @@ def test_dynamo_level_collectives_are_launches_and_waits():
 @pytest.mark.multirank
 def test_dynamo_level_collectives_in_random_legal_orders_are_bitwise_on_two_ranks():
     """Every random legal order of the dynamo-level graph computes its numbers on 2 gloo ranks."""
-    from fxsched.runtime import run_ranks
-
-    from ranks import check_bitwise, run_all
-
-    gm = _dynamo_collectives_graph()
-    jobs = [gm, *(raised for _, raised in _raised_in_random_orders(lower(gm), 8))]
     torch.manual_seed(0)
     feeds = [[torch.randn(4, 4) + rank, torch.randn(2, 4) - rank] for rank in range(2)]
-    results = run_ranks(run_all, 2, args=([(job, feeds) for job in jobs],), timeout=600, group_name="0")
-    check_bitwise(results, ["dynamo graph"], "a legal order", per_key=len(jobs))
+    assert_bitwise_on_two_ranks(_dynamo_collectives_graph, feeds, 8, what="a legal order", key="dynamo graph")
 
 
 # --------------------------------------------------------------------------- tuple results

@@ -28,7 +28,8 @@ from fxsched.ir.rewriter import Rewriter
 from fxsched.lowering import lower
 
 from test_fronts_attack import _graph, _run, assert_every_legal_order_computes_the_same
-from test_fronts_attack2 import _invoke, _raised_in_random_orders, assert_random_legal_orders_compute_the_same
+from test_fronts_attack2 import (_invoke, _raised_in_random_orders, assert_bitwise_on_two_ranks,
+                                 assert_random_legal_orders_compute_the_same)
 
 
 # --------------------------------------------------------------------------- the calls
@@ -430,17 +431,9 @@ def test_a_call_on_a_gathered_buffer_read_after_its_free_is_a_note():
 def test_a_call_on_a_gathered_buffer_runs_bitwise_on_two_ranks():
     """The schedules (`PIPELINES`) and random legal orders of the FSDP-shaped graph compute
     its numbers on 2 gloo ranks."""
-    from fxsched.runtime import run_ranks
-
-    from ranks import check_bitwise, run_all
-
-    gm = _fsdp_graph()
-    jobs = [gm, *(fxsched.schedule(_fsdp_graph(), p).graph_module for p in PIPELINES),
-            *(raised for _, raised in _raised_in_random_orders(lower(gm), 6))]
     torch.manual_seed(0)
     feeds = [[torch.randn(4, 4) + rank, torch.randn(8) - rank, torch.randn(8) + 2 * rank] for rank in range(2)]
-    results = run_ranks(run_all, 2, args=([(job, feeds) for job in jobs],), timeout=600, group_name="0")
-    check_bitwise(results, ["fsdp graph"], "a schedule", per_key=len(jobs))
+    assert_bitwise_on_two_ranks(_fsdp_graph, feeds, 6, PIPELINES, key="fsdp graph")
 
 
 UNSHARD = """\

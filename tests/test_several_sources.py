@@ -206,18 +206,11 @@ def test_an_fsdp_graph_with_several_sources_lowers_and_schedules():
 def test_an_fsdp_graph_with_several_sources_runs_bitwise_on_two_ranks():
     """The schedules (`PIPELINES`) and 30 random legal orders compute the graph's numbers on 2
     gloo ranks."""
-    from fxsched.runtime import run_ranks
+    from test_fronts_attack2 import assert_bitwise_on_two_ranks
 
-    from ranks import check_bitwise, run_all
-    from test_fronts_attack2 import _raised_in_random_orders
-
-    gm = _fsdp_graph()
-    jobs = [gm, *(fxsched.schedule(_fsdp_graph(), p).graph_module for p in PIPELINES),
-            *(raised for _, raised in _raised_in_random_orders(lower(gm), 30))]
     torch.manual_seed(0)
     feeds = [[torch.randn(4, 4) + rank, torch.randn(8) - rank, torch.randn(2) + 2 * rank] for rank in range(2)]
-    results = run_ranks(run_all, 2, args=([(job, feeds) for job in jobs],), timeout=600, group_name="0")
-    check_bitwise(results, ["fsdp graph"], "a schedule", per_key=len(jobs))
+    assert_bitwise_on_two_ranks(_fsdp_graph, feeds, 30, PIPELINES, key="fsdp graph")
 
 
 # --------------------------------------------------------------------------- exact per element
