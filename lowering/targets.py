@@ -25,13 +25,13 @@ CAST_OPS = {"prims::convert_element_type", "aten::_to_copy"}
 #: torch.export): the same async collectives, completed by a `wait_tensor` (read as compute, a
 #: write of the input could go between it and its wait)
 COLLECTIVE_NAMESPACES = ("_c10d_functional", "c10d_functional", "_c10d_functional_autograd")
-# Collectives outside those namespaces that run to completion when called (no wait; DTensor's
-# Shard(i) -> Shard(j) redistribution): lowered as opaque collectives of their group, kept in
-# place and in order with the group's other collectives (read as compute, a reorder could put
-# them on another side of a group's collective on one rank than on another)
-#: and torch's symmetric-memory collectives (async tensor parallelism's fused all-gather-matmul and
-#: matmul-reduce-scatter, which Inductor's micro-pipeline pass emits; symmetric-memory all-reduces,
-#: all-to-alls, broadcasts a user calls): each takes a `group_name` and completes when called
+#: Collectives outside those namespaces that run to completion when called (no wait): DTensor's
+#: Shard(i) -> Shard(j) redistribution, torch's symmetric-memory collectives (async tensor
+#: parallelism's fused all-gather-matmul and matmul-reduce-scatter, which Inductor's
+#: micro-pipeline pass emits; symmetric-memory all-reduces, all-to-alls, broadcasts a user calls),
+#: each taking a `group_name`, and torch-npu's fused ones. Lowered as opaque collectives of their
+#: group, kept in place and in order with the group's other collectives (read as compute, a
+#: reorder could put them on another side of a group's collective on one rank than on another)
 SYNCHRONOUS_COLLECTIVES = frozenset({"_dtensor::shard_dim_alltoall"} | {f"symm_mem::{name}" for name in (
     "fused_all_gather_matmul", "fused_all_gather_scaled_matmul", "fused_matmul_reduce_scatter",
     "fused_scaled_matmul_reduce_scatter", "_low_contention_all_gather", "_low_contention_reduce_scatter",

@@ -28,12 +28,12 @@ from torch import fx
 from ..ir import Launch, Opaque
 from ..ir import tags
 from ..lowering.fx import value_types
-from ..lowering.targets import SYNCHRONOUS_COLLECTIVES, collective_overload, target_name
+from ..lowering.targets import COLLECTIVE_NAMESPACES, SYNCHRONOUS_COLLECTIVES, collective_overload, target_name
 
 __all__ = ["ScheduleMismatch", "check_ranks_agree", "collective_entries", "compare_entries", "describe", "fingerprint"]
 
 _VERSION = "fxsched-collectives-v2"
-_NAMESPACES = ("_c10d_functional", "c10d_functional", "_c10d_functional_autograd", "c10d")
+_NAMESPACES = (*COLLECTIVE_NAMESPACES, "c10d")  # lowering's, and the c10d ops a make_fx of torch.distributed keeps
 _GATHER_TAGS = (tags.ALL_GATHER, tags.ALL_GATHER_BACKWARD)
 _ROLES = (*_GATHER_TAGS, tags.REDUCE_SCATTER)
 #: collectives whose sizes are each rank's own: an all-to-all with split sizes (expert
