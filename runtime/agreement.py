@@ -30,7 +30,8 @@ from ..ir import tags
 from ..lowering.fx import value_types
 from ..lowering.targets import COLLECTIVE_NAMESPACES, SYNCHRONOUS_COLLECTIVES, collective_overload, target_name
 
-__all__ = ["ScheduleMismatch", "check_ranks_agree", "collective_entries", "compare_entries", "describe", "fingerprint"]
+__all__ = ["ScheduleMismatch", "check_ranks_agree", "collective_entries", "compare_entries", "describe", "fingerprint",
+           "in_mesh_terms"]
 
 _VERSION = "fxsched-collectives-v2"
 _NAMESPACES = (*COLLECTIVE_NAMESPACES, "c10d")  # lowering's, and the c10d ops a make_fx of torch.distributed keeps
@@ -261,6 +262,48 @@ def _all_gather_bytes(data: bytes, group, device) -> list[bytes]:
     return [bytes(t[:int(n.item())].cpu().tolist()) for t, n in zip(gathered, lengths)]
 
 
+def _members(group_name: str) -> list[int] | None:
+    """The global ranks of the process group registered as `group_name` in this process (None
+    when none is, or it cannot be resolved)."""
+    try:
+        pg = dist.distributed_c10d._resolve_process_group(group_name)
+        return sorted(dist.get_process_group_ranks(pg))
+    except Exception:  # an unregistered name (a traced graph's fake group), a backend without ranks
+        return None
+
+
+def _place(members: list[int]) -> str:
+    """A group as the same group of every rank's mesh sees it: its size and the steps between its
+    sorted ranks (a 2x2 mesh's dp groups {0,2} and {1,3}: "2 ranks, step 2"; its tp groups: step 1)."""
+    steps = sorted({b - a for a, b in zip(members, members[1:])})
+    if len(steps) <= 1:
+        return f"{len(members)} ranks, step {steps[0] if steps else 0}"
+    return f"{len(members)} ranks, steps {[b - a for a, b in zip(members, members[1:])]}"
+
+
+def in_mesh_terms(entries: Sequence[dict[str, Any]], members=_members) -> list[dict[str, Any]]:
+    """`entries` with each group named by its place in the mesh (`_place`) instead of this rank's
+    name for it, where that place tells it apart from this rank's other groups; a group whose
+    ranks are unknown (`members(name)` None), or which shares its place with another of this
+    rank's groups (two groups over the same ranks), keeps its name.
+
+    On a device mesh each rank names its groups otherwise (a 2x2 mesh's rank 0: dp "1", tp "3";
+    rank 1: dp "2", tp "3"), so lists that name them differ on ranks whose schedules agree. Named
+    by place, the groups of every rank map one to one onto places (on each rank no two groups share
+    a label), and a group two ranks share gets the same label on both: lists equal in these terms
+    issue each group's collectives in the same order on each of its ranks, interleaved with the
+    other groups' alike, which can neither hang nor exchange the wrong tensors."""
+    names = sorted({e["group"] for e in entries if e["group"] is not None})
+    places = {}
+    for name in names:
+        ranks = members(name)
+        if ranks is not None:
+            places[name] = _place(ranks)
+    shared = Counter(places.values())
+    label = {name: f"<{place}>" for name, place in places.items() if shared[place] == 1}
+    return [{**e, "group": label.get(e["group"], e["group"])} for e in entries]
+
+
 def check_ranks_agree(graph_or_program, group: dist.ProcessGroup | None = None, *,
                       device: torch.device | str | None = None) -> str:
     """Check that every rank of `group` (default: the world) has the same collective schedule.
@@ -269,6 +312,9 @@ def check_ranks_agree(graph_or_program, group: dist.ProcessGroup | None = None, 
     the fingerprint, two more of the collective lists only when the fingerprints differ).
     Returns the common fingerprint, or raises ScheduleMismatch on every rank, naming the ranks
     that differ and the first collective where they do. Ranks are numbered within `group`.
+    Where the ranks name their groups otherwise (a device mesh: each rank's dp and tp groups have
+    names of their own), each group is compared by its place in the mesh (`in_mesh_terms`), and
+    the fingerprint returned is of the lists so named.
     `device` holds the exchanged tensors: CPU, or with NCCL the current CUDA device (default).
     """
     if not (dist.is_available() and dist.is_initialized()):
@@ -278,6 +324,12 @@ def check_ranks_agree(graph_or_program, group: dist.ProcessGroup | None = None, 
         device = (torch.device("cuda", torch.cuda.current_device())
                   if dist.get_backend(group) == "nccl" else torch.device("cpu"))
     entries = collective_entries(graph_or_program)
+    digest = _digest(entries)
+    digests = [d.decode() for d in _all_gather_bytes(digest.encode(), group, device)]
+    if all(d == digest for d in digests):
+        return digest
+    # every rank takes the same branches: each decision reads what all ranks sent
+    entries = in_mesh_terms(entries)
     digest = _digest(entries)
     digests = [d.decode() for d in _all_gather_bytes(digest.encode(), group, device)]
     if all(d == digest for d in digests):
