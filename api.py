@@ -131,7 +131,7 @@ def _launches(program: Program, ordered: bool = True) -> Iterator[Launch]:
 def schedule(gm: fx.GraphModule, pipeline: str = DEFAULT_PIPELINE, *, verify_each: bool = True,
              timing: bool = False, instruments: list[Instrument] | None = None,
              cost_model: Any = None, verify_lowered: bool | None = None, max_peak_gb: float | None = None,
-             max_peak_increase_gb: float | None = None) -> ScheduleResult:
+             max_peak_increase_gb: float | None = None, group: Any = None) -> ScheduleResult:
     """Lower `gm` (left untouched), run `pipeline`, and raise a fresh, linted GraphModule.
 
     `pipeline` is pipeline text or a name (`default`, `reference`); `cost_model` is what
@@ -142,10 +142,17 @@ def schedule(gm: fx.GraphModule, pipeline: str = DEFAULT_PIPELINE, *, verify_eac
     `max_peak_gb` / `max_peak_increase_gb` put a hard cap on the simulated peak memory (GiB, or
     GiB over the input's peak; both: the smaller) that every pass honours: the pipeline runs
     with `memory-cap{...}` first (`fxsched.passes.memory_cap`).
+    `group`: the ranks whose schedules must agree, where each traces its own graph and the sizes
+    may differ by rank (expert parallelism's split sizes traced as numbers): a ProcessGroup,
+    `"world"`, or a registered group's name. Every rank of it must call `schedule` on its graph;
+    the lowered programs are checked to be equal but for sizes (`StructureMismatch` names the
+    first op that differs) and each size is set to its largest over the ranks before the passes
+    run (`runtime.agreement.agree_sizes`), so every rank gets one order. None (the default):
+    this graph alone, as every rank that traced the same graph gets anyway.
     """
     pipeline = with_cap(pipeline, max_peak_gb, max_peak_increase_gb)
     return _schedule(gm, pipeline, _raise_tagged, verify_each=verify_each, timing=timing,
-                     instruments=instruments, cost_model=cost_model, verify_lowered=verify_lowered)
+                     instruments=instruments, cost_model=cost_model, verify_lowered=verify_lowered, group=group)
 
 
 def _raise_tagged(program: Program, earlier: frozenset[str]) -> fx.GraphModule:
@@ -163,7 +170,7 @@ def _verify_lowered_default() -> bool:
 
 def _schedule(gm: fx.GraphModule, pipeline: str, raising, *, verify_each: bool = True, timing: bool = False,
               instruments: list[Instrument] | None = None, cost_model: Any = None,
-              verify_lowered: bool | None = None) -> ScheduleResult:
+              verify_lowered: bool | None = None, group: Any = None) -> ScheduleResult:
     """`schedule`, raising with `raising(program, earlier)` (a fresh module, or `gm` itself
     reordered in place; `earlier` as in ScheduleResult).
 
@@ -174,6 +181,8 @@ def _schedule(gm: fx.GraphModule, pipeline: str, raising, *, verify_each: bool =
     assigns phases forward then backward; derive_effects adds every edge from an earlier op to a
     later one of that order (the output last, inputs reading nothing: lowering refuses a graph
     otherwise) and refuses a use after free. Every pass is still verified after it runs.
+    `group` (see `schedule`): the ranks' programs are given one set of sizes before the passes
+    (only sizes change: what the verifier checks does not read them).
     """
     if verify_lowered is None:
         verify_lowered = _verify_lowered_default()
@@ -185,6 +194,10 @@ def _schedule(gm: fx.GraphModule, pipeline: str, raising, *, verify_each: bool =
     ctx = PassContext(cost_model=cost_model)
     with gc_paused():  # one pause for all stages: a full collection between them scans the whole graph
         program = _lint_and_lower(gm)
+        if group is not None:
+            from .runtime.agreement import agree_sizes  # torch.distributed only when asked
+
+            agree_sizes(program, group)
         earlier = frozenset(op.name for op in _launches(program, ordered=False) if op.prefetched)
         result = manager.run(program, ctx)
         raised = raising(program, earlier)
@@ -212,8 +225,11 @@ def reference_pipeline(max_in_flight_gb: float, forward_depth: int = 1, backward
             f"budget{{max-in-flight-gb={max_in_flight_gb!r}}},prefetch,sink")
 
 
-def overlap_param_gather(graph_module: fx.GraphModule, config) -> fx.GraphModule:
+def overlap_param_gather(graph_module: fx.GraphModule, config, *, group: Any = None) -> fx.GraphModule:
     """Drop-in for HyperParallel's pass: schedules `graph_module` in place and returns it.
+
+    `group`: as for `schedule` (the reference pipeline reads no costs, only the gathers' sizes;
+    with a group, the ranks' graphs are also checked to be equal but for sizes).
 
     Sets `meta["fsdp_prefetch"] = {"forward", "backward", "sunk"}` on the module and
     `meta["fsdp_prefetch_anchor"]` on each moved gather; logs one line.
@@ -224,7 +240,7 @@ def overlap_param_gather(graph_module: fx.GraphModule, config) -> fx.GraphModule
     # the module's own nodes are relinked into the new order (nothing is copied; meta, names and
     # whatever callers hold of them stay valid), then its code is generated once
     done = _schedule(graph_module, reference_pipeline(budget, forward, backward),
-                     lambda program, earlier: raise_in_place(program))
+                     lambda program, earlier: raise_in_place(program), group=group)
     stats = done.result.stats()
     prefetch = next(v for k, v in stats.items() if k.startswith("prefetch"))
     sink = next(v for k, v in stats.items() if k.startswith("sink"))

@@ -147,12 +147,14 @@ def _replace_contents(graph: fx.Graph, new: fx.Graph) -> None:
 
 def schedule_graph_in_place(graph: fx.Graph, pipeline: str = DEFAULT_PIPELINE, *, structural: bool = True,
                             phase: str | None = None, verify_each: bool = True,
-                            cost_model: Any = None) -> dict[str, Any]:
+                            cost_model: Any = None, group: Any = None) -> dict[str, Any]:
     """Tag untagged FSDP gathers and gradient reductions (when `structural`), run `pipeline` on `graph`
     and give it the result in place.
 
     `phase` None reads each node's phase from its `meta["autograd_backward"]` as lowering does;
     "forward"/"backward" treats the whole graph as that phase (Inductor compiles the two apart).
+    `group`: the ranks whose schedules must agree (`fxsched.schedule`'s `group`; every rank of it
+    must schedule its graph here, in the same order).
     Returns a JSON-able record: the graph's phase and size, what the structural stage tagged and
     skipped, `fxsched.schedule`'s report, counts of moved gathers and sunk nodes, and seconds.
     On an error the graph is left as it was (structural tags removed) and the error propagates.
@@ -166,7 +168,8 @@ def schedule_graph_in_place(graph: fx.Graph, pipeline: str = DEFAULT_PIPELINE, *
     structural_result = tag_fsdp_collectives(graph, phase=phase) if structural else None
     try:
         with _uniform_phase(graph, phase):
-            done = _schedule(owner, pipeline, _relink_or_copy, verify_each=verify_each, cost_model=cost_model)
+            done = _schedule(owner, pipeline, _relink_or_copy, verify_each=verify_each, cost_model=cost_model,
+                             group=group)
         in_place = done.graph_module is owner
         if not in_place:
             new_graph = done.graph_module.graph
@@ -219,12 +222,18 @@ class FxschedInductorPass(CustomGraphPass):
     of model makes `uuid()` None, which turns Inductor's FX graph cache off for the compile, as
     the model is state the cache key cannot see). `structural` tags untagged FSDP gathers first.
     `on_error="warn"` logs a failure and leaves that graph unscheduled (compilation goes on);
-    `"raise"` fails the compile. Every graph's record (see `schedule_graph_in_place`) is
+    `"raise"` fails the compile. `group` (a ProcessGroup, `"world"`, or a registered group's name):
+    the ranks whose schedules must agree where each traces its own graph with its own sizes
+    (expert parallelism's split sizes as numbers; `fxsched.schedule`'s `group`). It is a
+    collective in the pass, so every rank of the group must run the pass on every graph: `uuid()`
+    is then None, which turns Inductor's FX graph cache off (a cache hit on one rank and a miss on
+    another would leave the other waiting in the pass, the hang that keeps Inductor's own
+    `spmd_check` off by default). Every graph's record (see `schedule_graph_in_place`) is
     appended to `self.runs` and to `RECORDS`.
     """
 
     def __init__(self, pipeline: str = DEFAULT_PIPELINE, *, cost_model: Any = None, structural: bool = True,
-                 on_error: str = "warn", verify_each: bool = True):
+                 on_error: str = "warn", verify_each: bool = True, group: Any = None):
         if on_error not in ("warn", "raise"):
             raise ValueError(f"on_error must be 'warn' or 'raise', got {on_error!r}")
         self.pipeline = str(PassManager(pipeline))  # canonical text; a PipelineError here, not mid-compile
@@ -232,18 +241,21 @@ class FxschedInductorPass(CustomGraphPass):
         self.structural = structural
         self.on_error = on_error
         self.verify_each = verify_each
+        self.group = group
         self.runs: list[dict[str, Any]] = []
         self._uuid: str | None = None
 
     def __repr__(self) -> str:
         return (f"FxschedInductorPass({self.pipeline!r}, cost_model={self.cost_model!r}, "
-                f"structural={self.structural}, on_error={self.on_error!r})")
+                f"structural={self.structural}, on_error={self.on_error!r}"
+                + (f", group={self.group!r})" if self.group is not None else ")"))
 
     def __call__(self, graph: fx.Graph) -> None:
         phase = graph_phase(graph)
         try:
             record = schedule_graph_in_place(graph, self.pipeline, structural=self.structural, phase=phase,
-                                             verify_each=self.verify_each, cost_model=self.cost_model)
+                                             verify_each=self.verify_each, cost_model=self.cost_model,
+                                             group=self.group)
         except Exception as exc:
             record = {"phase": phase, "nodes": len(graph.nodes), "pipeline": self.pipeline,
                       "error": f"{type(exc).__name__}: {exc}"}
@@ -265,8 +277,11 @@ class FxschedInductorPass(CustomGraphPass):
 
     def uuid(self) -> str | None:
         """Stable across processes and runs: the pipeline, the options, fxsched's version and sources
-        (None, so no caching, when the cost model is not a profile name)."""
+        (None, so no caching, when the cost model is not a profile name, or with a `group`: every
+        rank must run the pass)."""
         if self.cost_model is not None and not isinstance(self.cost_model, str):
+            return None
+        if self.group is not None:
             return None
         if self._uuid is None:
             from .. import __version__

@@ -70,15 +70,18 @@ def param_names(traced_result: Any) -> dict[str, str]:
 
 
 def fxsched_pass(pipeline: str = DEFAULT_PIPELINE, *, cost_model: Any = None, names: dict[str, str] | None = None,
-                 verify_each: bool = True) -> Callable[[fx.GraphModule, Any], fx.GraphModule]:
+                 verify_each: bool = True, group: Any = None) -> Callable[[fx.GraphModule, Any], fx.GraphModule]:
     """A graph_trainer pass `(gm, example_inputs) -> gm` that schedules the joint graph's FSDP
     collectives with the fxsched `pipeline` (text or name) in place. `names` maps graph inputs to
-    parameter FQNs (`param_names(traced_result)`), used as the gathers' `param_name`."""
+    parameter FQNs (`param_names(traced_result)`), used as the gathers' `param_name`. `group`: the
+    ranks whose schedules must agree where each traces its own sizes (`fxsched.schedule`'s `group`;
+    every rank of it runs the pass)."""
     pipeline = str(PassManager(pipeline))  # a bad pipeline fails here, not mid-trace
     runs: list[dict[str, Any]] = []
 
     def fxsched_schedule_pass(gm: fx.GraphModule, example_inputs: Any = None) -> fx.GraphModule:
-        record = schedule_graph_in_place(gm.graph, pipeline, cost_model=cost_model, verify_each=verify_each)
+        record = schedule_graph_in_place(gm.graph, pipeline, cost_model=cost_model, verify_each=verify_each,
+                                         group=group)
         if names:
             for node in gm.graph.nodes:
                 if not node.meta.get(tags.STRUCTURAL):
@@ -123,22 +126,24 @@ def replace_fsdp_scheduling(passes: Iterable[Callable], ours: Callable,
 
 def fxsched_pass_pipeline(traced_result: Any, config: Any, *, parallel_dims: Any = None,
                           pipeline: str = DEFAULT_PIPELINE, cost_model: Any = None,
-                          base: Callable | None = None, keep_bucketing: bool = False) -> list[Callable]:
+                          base: Callable | None = None, keep_bucketing: bool = False,
+                          group: Any = None) -> list[Callable]:
     """A graph_trainer pass pipeline: `base` (graph_trainer's `construct_default_graph_passes`
     when None) with its FSDP scheduling pass replaced by `fxsched_pass` (`keep_bucketing`: kept,
     and `fxsched_pass` orders its buckets after it)."""
     if base is None:
         from torchtitan.experiments.graph_trainer.passes import construct_default_graph_passes as base
-    ours = fxsched_pass(pipeline, cost_model=cost_model, names=param_names(traced_result))
+    ours = fxsched_pass(pipeline, cost_model=cost_model, names=param_names(traced_result), group=group)
     return replace_fsdp_scheduling(base(traced_result, config, parallel_dims=parallel_dims), ours, keep=keep_bucketing)
 
 
 def register(name: str = PIPELINE_NAME, pipeline: str = DEFAULT_PIPELINE, *, cost_model: Any = None,
-             keep_bucketing: bool = False) -> str:
-    """Register the fxsched pass pipeline with graph_trainer under `name` (`--compile.pass_pipeline NAME`)."""
+             keep_bucketing: bool = False, group: Any = None) -> str:
+    """Register the fxsched pass pipeline with graph_trainer under `name` (`--compile.pass_pipeline NAME`).
+    `group`: as `fxsched_pass`'s (`"world"` where every rank traces one SPMD program with its own sizes)."""
     from torchtitan.experiments.graph_trainer.registry import register_pass_pipeline
 
     str(PassManager(pipeline))  # fail now on a bad pipeline
     register_pass_pipeline(name)(functools.partial(fxsched_pass_pipeline, pipeline=pipeline, cost_model=cost_model,
-                                                   keep_bucketing=keep_bucketing))
+                                                   keep_bucketing=keep_bucketing, group=group))
     return name

@@ -30,8 +30,8 @@ from ..ir import tags
 from ..lowering.fx import value_types
 from ..lowering.targets import COLLECTIVE_NAMESPACES, SYNCHRONOUS_COLLECTIVES, collective_overload, target_name
 
-__all__ = ["ScheduleMismatch", "check_ranks_agree", "collective_entries", "compare_entries", "describe", "fingerprint",
-           "in_mesh_terms"]
+__all__ = ["ScheduleMismatch", "StructureMismatch", "agree_sizes", "check_ranks_agree", "collective_entries",
+           "compare_entries", "describe", "fingerprint", "in_mesh_terms", "process_group"]
 
 _VERSION = "fxsched-collectives-v2"
 _NAMESPACES = (*COLLECTIVE_NAMESPACES, "c10d")  # lowering's, and the c10d ops a make_fx of torch.distributed keeps
@@ -245,6 +245,13 @@ def compare_entries(per_rank: Sequence[Sequence[dict[str, Any]]]) -> ScheduleMis
                             expected=expected, found=found)
 
 
+def _device(group, device):
+    """`device` where given; else where the exchanged tensors live: the current CUDA device with NCCL, else CPU."""
+    if device is not None:
+        return device
+    return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else torch.device("cpu")
+
+
 def _all_gather_bytes(data: bytes, group, device) -> list[bytes]:
     """Every rank's `data`, in group rank order, through fixed-size tensor all-gathers (no
     pickling, no numpy): the lengths first, then the bytes padded to the longest."""
@@ -320,9 +327,7 @@ def check_ranks_agree(graph_or_program, group: dist.ProcessGroup | None = None, 
     if not (dist.is_available() and dist.is_initialized()):
         raise RuntimeError("check_ranks_agree needs an initialised torch.distributed process group "
                            "(call it in every rank, after init_process_group)")
-    if device is None:
-        device = (torch.device("cuda", torch.cuda.current_device())
-                  if dist.get_backend(group) == "nccl" else torch.device("cpu"))
+    device = _device(group, device)
     entries = collective_entries(graph_or_program)
     digest = _digest(entries)
     digests = [d.decode() for d in _all_gather_bytes(digest.encode(), group, device)]
@@ -341,3 +346,137 @@ def check_ranks_agree(graph_or_program, group: dist.ProcessGroup | None = None, 
                                "lists: do all ranks run the same fxsched?", ranks=[], agreeing=[],
                                index=-1, digests=digests, expected=None, found=None)
     raise mismatch
+
+
+# ---- one program on every rank ----------------------------------------------------------------
+
+class StructureMismatch(RuntimeError):
+    """Ranks asked to agree (`agree_sizes`) lowered programs that differ in more than sizes: no
+    schedule can be one for all of them. `ranks`: the ranks that differ from the majority,
+    `agreeing`: the majority, `index`: the first line of `ir.sizes.structure` that differs (ops
+    in schedule order, then effect edges), `expected`/`found`: that line on the majority and on
+    the first differing rank (None past the end)."""
+
+    def __init__(self, message: str, *, ranks: list[int], agreeing: list[int], index: int,
+                 expected: str | None, found: str | None):
+        super().__init__(message)
+        self.ranks, self.agreeing, self.index = ranks, agreeing, index
+        self.expected, self.found = expected, found
+
+
+def _rank_sized(op) -> bool:
+    parts = op.target.replace("::", ".").split(".")
+    return len(parts) > 1 and parts[1] in _RANK_SIZED
+
+
+def process_group(group):
+    """The process group `group` names: a ProcessGroup, `"world"` (or `dist.group.WORLD`), or the
+    name of a registered group (as collectives' `group_name`). None where nothing is to agree:
+    `"world"` without an initialised torch.distributed, or a group of one rank."""
+    if group is None:
+        return None
+    if isinstance(group, str):
+        if group == "world":
+            if not (dist.is_available() and dist.is_initialized()):
+                return None
+            group = dist.group.WORLD
+        else:
+            if not (dist.is_available() and dist.is_initialized()):
+                raise RuntimeError(f"process group {group!r}: torch.distributed is not initialised "
+                                   "(call init_process_group in every rank first)")
+            group = torch._C._distributed_c10d._resolve_process_group(group)
+    elif not (dist.is_available() and dist.is_initialized()):
+        raise RuntimeError("agreeing across ranks needs an initialised torch.distributed process group")
+    return group if dist.get_world_size(group) > 1 else None
+
+
+def agree_sizes(program, group, *, device: torch.device | str | None = None) -> dict[str, Any]:
+    """Give every rank of `group` one program: after checking that the ranks' programs are equal
+    but for their sizes (`StructureMismatch` otherwise, on every rank, naming the first op that
+    differs), set every extent and launch size to its largest over the ranks, in place. Every
+    rank then prices the same program with the same model, its deterministic passes give it the
+    same order, and what the passes count in memory is at least what each rank holds, so a
+    budget or peak cap holds on every rank. A collective whose sizes differ between the ranks
+    (but for those whose sizes are each rank's own: an all-to-all with split sizes, a send or a
+    receive) is an error too: the ranks could not run it together.
+
+    Every rank of `group` must call it (it is a collective: two small all-gathers and an
+    all-reduce of one int64 per extent; the programs' text only when they differ). `group` as
+    `process_group` takes it; None or a group of one rank: nothing to do. Returns what it did:
+    `ranks`, `sizes` (how many it exchanged), `differ` (the ops whose sizes differ between the
+    ranks, alike on every rank; a note of the program says how many) and `raised` (those this
+    rank's program took larger sizes for)."""
+    pg = process_group(group)
+    if pg is None:
+        return {"ranks": 1, "sizes": 0, "differ": [], "raised": []}
+    from ..ir.sizes import op_sizes, sizes, structure, with_sizes
+
+    device = _device(pg, device)
+    lines = structure(program)
+    text = "\n".join(lines).encode()
+    digest = hashlib.sha256(text).hexdigest()
+    digests = [d.decode() for d in _all_gather_bytes(digest.encode(), pg, device)]
+    if any(d != digest for d in digests):
+        every = [b.decode().split("\n") for b in _all_gather_bytes(text, pg, device)]
+        raise _structure_mismatch(every, digests, pg)
+    mine = sizes(program)
+    # the largest and (negated) the smallest of each size over the ranks, in one all-reduce: which
+    # ops differ between the ranks is then known alike on every rank, so every rank raises alike
+    both = torch.tensor(mine + [-v for v in mine], dtype=torch.int64, device=device)
+    if mine:
+        dist.all_reduce(both, op=dist.ReduceOp.MAX, group=pg)
+    both = both.cpu().tolist()
+    largest, smallest = both[:len(mine)], [-v for v in both[len(mine):]]
+    differ, at = [], 0
+    for op in program.ops():
+        n = len(op_sizes(op))
+        if largest[at:at + n] != smallest[at:at + n]:
+            differ.append(op.name)
+        at += n
+    raised = with_sizes(program, largest)
+    world = dist.get_world_size(pg)
+    for name in differ:
+        op = program.op(name)
+        if _ir_collective(op) and not _rank_sized(op):
+            raise RuntimeError(
+                f"%{name} ({op.target}, group {op.group!r}) has other sizes on the ranks of the group (up to "
+                f"{_types(op)}): they cannot run it together; give every rank of the group the same collectives")
+    if differ:
+        program.notes.append(f"sizes agreed over the {world} ranks of the group: {len(differ)} ops differ in size "
+                             f"between them (first %{differ[0]}); each takes its largest on every rank, so every "
+                             "rank schedules one program")
+    return {"ranks": world, "sizes": len(mine), "differ": differ, "raised": raised}
+
+
+def _types(op) -> str:
+    return ", ".join(str(t) for t in op.types) or "?"
+
+
+def _structure_mismatch(every: list[list[str]], digests: list[str], group) -> StructureMismatch:
+    counts = Counter(digests)
+    reference = max(counts, key=lambda d: (counts[d], -digests.index(d)))
+    agreeing = [r for r, d in enumerate(digests) if d == reference]
+    differing = [r for r, d in enumerate(digests) if d != reference]
+    expected_lines = every[agreeing[0]]
+
+    def first_difference(lines) -> int:
+        for i, (a, b) in enumerate(zip(expected_lines, lines)):
+            if a != b:
+                return i
+        return min(len(expected_lines), len(lines))
+
+    index, rank = min((first_difference(every[r]), r) for r in differing)
+    expected = expected_lines[index] if index < len(expected_lines) else None
+    found = every[rank][index] if index < len(every[rank]) else None
+    what = "op" if (expected or found or "").startswith("%") else "line"
+    message = (
+        f"ranks' graphs differ in more than sizes, so no schedule can be one for all of them: rank"
+        f"{'s' if len(differing) > 1 else ''} {', '.join(map(str, differing))} differ"
+        f"{'' if len(differing) > 1 else 's'} from rank{'s' if len(agreeing) > 1 else ''} "
+        f"{', '.join(map(str, agreeing))} (group {getattr(group, 'group_name', group)!r}).\n"
+        f"  first difference at {what} #{index} (ops in schedule order, sizes shown as ?, then effect edges):\n"
+        f"    rank {agreeing[0]}: {expected if expected is not None else 'nothing (its program ends here)'}\n"
+        f"    rank {rank}: {found if found is not None else 'nothing (its program ends here)'}\n"
+        "  Each rank's sizes may be its own (they are agreed on); its ops, operands, dtypes, tensor ranks, "
+        "tags and effects may not: give every rank of the group the same graph.")
+    return StructureMismatch(message, ranks=differing, agreeing=agreeing, index=index, expected=expected, found=found)

@@ -358,16 +358,22 @@ class _MoE(torch.nn.Module):
         return self.mlp(_AllToAll.apply(t, self.send, self.recv) + h)
 
 
-def _ep_graph(rank, layers=3, width=256):
+def _ep_front(rank, layers=3, width=256):
     """FSDP (group "0") around MoE layers whose all-to-alls (group "ep") route rank 0's 600 tokens
     100 to itself and 500 to rank 1, rank 1's 550 to rank 0 and 50 to itself: traced on each rank
-    with its own split sizes, as make_fx of SPMD code does, so the experts' shapes differ by rank."""
+    with its own split sizes, as make_fx of SPMD code does, so the experts' shapes differ by rank.
+    The front's result, the module and the example inputs."""
     from fxsched.front import fsdp_joint_graph
 
     send, recv = [([100, 500], [100, 550]), ([550, 50], [500, 50])][rank]
     torch.manual_seed(0)
     module = torch.nn.Sequential(*[_MoE(width, send, recv) for _ in range(layers)])
-    return fsdp_joint_graph(module, [torch.randn(600, width)], lambda m, x: (m(x) ** 2).sum(), 2).gm
+    inputs = [torch.randn(600, width)]
+    return fsdp_joint_graph(module, inputs, lambda m, x: (m(x) ** 2).sum(), 2), module, inputs
+
+
+def _ep_graph(rank, layers=3, width=256):
+    return _ep_front(rank, layers, width)[0].gm
 
 
 def test_the_ranks_agreement_check_takes_an_all_to_all_of_other_sizes_on_each_rank_for_the_same_collective():
@@ -393,13 +399,14 @@ def test_the_ranks_agreement_check_takes_an_all_to_all_of_other_sizes_on_each_ra
 
 
 def test_graphs_that_differ_per_rank_in_sizes_may_be_scheduled_differently_and_the_check_says_where():
-    """What fxsched cannot promise (docs/bad-input.md): where each rank traces its own graph and the
-    sizes differ (expert parallelism's split sizes, traced as numbers), the cost model prices each
-    rank's experts differently, and the cost-guided pipelines order the FSDP group's collectives
-    differently on each rank (here `default`: a reduce-scatter on one rank where the other
-    re-gathers `1.expert.weight`): run together they would hang or exchange the wrong tensors.
+    """Scheduled each alone (no `group`: docs/bad-input.md), graphs each rank traces with its own
+    sizes (expert parallelism's split sizes, traced as numbers) are priced differently by the cost
+    model, and the cost-guided pipelines order the FSDP group's collectives differently on each rank
+    (here `default`: 19 of 71 collectives, from the 37th, a reduce-scatter on one rank where the
+    other re-gathers `1.expert.weight`): run together they would hang or exchange the wrong tensors.
     `check_ranks_agree` raises instead, naming that collective; `reference` (no cost model) agrees.
-    Traced with symbolic split sizes (torch.compile's unbacked ones) the graphs are one graph."""
+    With `group` the ranks agree on one program first (the test below). Traced with symbolic split
+    sizes (torch.compile's unbacked ones) the graphs are one graph."""
     from fxsched.runtime.agreement import collective_entries, compare_entries
 
     graphs = [_ep_graph(rank) for rank in range(2)]
@@ -407,6 +414,87 @@ def test_graphs_that_differ_per_rank_in_sizes_may_be_scheduled_differently_and_t
     mismatch = compare_entries(entries)
     assert mismatch is not None and mismatch.expected["kind"] != mismatch.found["kind"]
     assert "fsdp" in (mismatch.expected["role"] or "") + (mismatch.found["role"] or "")
+
+
+def _ep_agree(rank, world_size, pipelines):
+    """On one rank: its EP graph's collectives as each pipeline schedules it alone and with
+    `group="world"`, the fingerprint `check_ranks_agree` returns for the latter, the outputs of
+    the traced graph and of each agreed schedule, and what scheduling with a group says when rank
+    1's graph has a sigmoid where rank 0's has a relu, and `agree_sizes` of a gather of other sizes
+    on each rank."""
+    from ranks import rank_feeds
+
+    from fxsched.ir import parse_program
+    from fxsched.runtime.agreement import StructureMismatch, agree_sizes, check_ranks_agree, collective_entries
+
+    torch.set_num_threads(1)
+    front, module, inputs = _ep_front(rank)
+    gm, feeds = front.gm, rank_feeds(front, module, inputs)[rank]
+
+    def run(module):
+        with torch.no_grad():
+            return [t.detach() for t in module(*[t.clone() for t in feeds])]
+
+    alone = {p: collective_entries(fxsched.schedule(gm, p).graph_module) for p in pipelines}
+    agreed, fingerprints, outputs = {}, {}, [run(gm)]
+    for p in pipelines:
+        done = fxsched.schedule(gm, p, group="world")
+        agreed[p] = collective_entries(done.graph_module)
+        fingerprints[p] = check_ranks_agree(done.graph_module)
+        outputs.append(run(done.graph_module))
+    if rank == 1:
+        relu = next(n for n in gm.graph.nodes if n.target is aten.relu.default)
+        relu.target = aten.sigmoid.default
+    try:
+        fxsched.schedule(gm, "default", group="world")
+        mismatch = None
+    except StructureMismatch as exc:
+        mismatch = (str(exc), exc.ranks, exc.expected, exc.found)
+    size = 8 * (rank + 1)  # a gather of 8 elements on rank 0 and 16 on rank 1 (IR text)
+    gather = parse_program(f"""%w = input : f32[4]
+^entry
+%g = launch "_c10d_functional.all_gather_into_tensor.default"(%w) {{group = "0", role = fsdp_all_gather, nbytes = {4 * size}, params = ["w"]}} : f32[{size}]
+%t = wait(%g) : f32[{size}]
+%output = output(%t)
+""")
+    try:
+        agree_sizes(gather, "world")
+        sized = None
+    except RuntimeError as exc:
+        sized = str(exc)
+    return alone, agreed, fingerprints, outputs, mismatch, sized
+
+
+@pytest.mark.multirank
+def test_graphs_that_differ_per_rank_in_sizes_get_one_schedule_with_a_group_and_compute_the_same():
+    """`schedule(gm, pipeline, group=...)`: every rank of the group lowers its graph, the programs
+    are checked to be equal but for sizes, and each size becomes its largest over the ranks
+    (`runtime.agreement.agree_sizes`; 42 ops of the EP graph differ), so the cost-guided passes see
+    one program. On 2 gloo ranks, the EP graphs whose `default` schedules differ alone (19 of 71
+    collectives) get one collective order under every pipeline (`check_ranks_agree` passes), and
+    each rank's scheduled graph computes what its traced graph does, bitwise. Where the graphs
+    differ in more than sizes the error says so on every rank, naming the op; so does a gather of
+    other sizes on the ranks (they could not run it together)."""
+    from fxsched.runtime import run_ranks
+    from fxsched.runtime.agreement import compare_entries
+
+    pipelines = ("reference", "default", "rewrite")
+    results = run_ranks(_ep_agree, 2, args=(pipelines,), group_name="ep", timeout=1200)
+    alone = compare_entries([r[0]["default"] for r in results])
+    assert alone is not None and alone.index == 36  # without the group: the known gap
+    for p in pipelines:
+        assert compare_entries([r[1][p] for r in results]) is None, p
+        assert results[0][2][p] == results[1][2][p], p
+    for rank, (*_, outputs, _, _) in enumerate(results):
+        for p, got in zip(pipelines, outputs[1:], strict=True):
+            assert len(got) == len(outputs[0]) and all(torch.equal(a, b) for a, b in zip(outputs[0], got)), (rank, p)
+    assert not torch.equal(results[0][3][0][0], results[1][3][0][0])  # the ranks computed different things
+    for rank in range(2):
+        message, ranks, expected, found = results[rank][4]
+        assert ranks == [1] and "aten.relu.default" in expected and "aten.sigmoid.default" in found
+        assert "differ in more than sizes" in message and "rank 1: %relu" in message, message
+        assert "%g (_c10d_functional.all_gather_into_tensor.default" in results[rank][5]
+        assert "other sizes on the ranks" in results[rank][5] and "f32[16]" in results[rank][5]
 
 
 # --------------------------------------------------------------------------- the functional collectives' autograd namespace
