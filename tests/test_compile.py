@@ -368,3 +368,88 @@ def test_bf16_gradient_reduce_scatters_overlap_and_stay_bitwise():
         assert all(red["kind"] == "reduce_scatter_tensor" and len(red["tail"]) >= 1 for red in reductions)
         overlap = runs["backward"]["overlap"]
         assert overlap["overlapped"] >= len(reductions) // 2, overlap
+
+
+# --------------------------------------------------------------------------- expert parallelism: each rank its own sizes
+
+
+class _MoE(nn.Module):
+    """SimpleFSDP linears around an expert whose tokens come by `all_to_all_single_autograd` with
+    split sizes of the rank's own (rank 0 receives 650 tokens, rank 1 550): dynamo specialises
+    them, so each rank compiles graphs of its own sizes."""
+
+    def __init__(self, world_size, rank, seed, send, recv):
+        super().__init__()
+        weights = [torch.randn(r, c, generator=torch.Generator().manual_seed(seed + i)) / c ** 0.5
+                   for i, (r, c) in enumerate(((WIDTH, WIDTH), (WIDTH, 4 * WIDTH), (4 * WIDTH, WIDTH)))]
+        self.inp, self.up, self.down = (ShardedLinear(w, world_size, rank) for w in weights)
+        self.send, self.recv = send, recv
+
+    def forward(self, x):
+        h = self.inp(x)
+        t = funcol.all_to_all_single_autograd(h, self.recv, self.send, "ep")
+        t = self.down(torch.relu(self.up(t)))
+        return funcol.all_to_all_single_autograd(t, self.send, self.recv, "ep") + h
+
+
+class _Orders(FxschedInductorPass):
+    """The pass, keeping each scheduled graph's collectives (`collective_entries`)."""
+
+    def __call__(self, graph):
+        from fxsched.runtime.agreement import collective_entries
+
+        super().__call__(graph)
+        self.orders = [*getattr(self, "orders", []), collective_entries(graph)]
+
+
+def _ep_compile_worker(rank, world_size):
+    """[loss, grads] of 2 MoE layers compiled without the pass and with `default` and
+    `group="world"`; the scheduled graphs' collectives and the notes of each run."""
+    torch.set_num_threads(1)
+    send, recv = [([100, 500], [100, 550]), ([550, 50], [500, 50])][rank]
+    out = {}
+    fx_pass = _Orders("default", on_error="raise", group="world")
+    for name, options in (("plain", dict(LITE)), ("agreed", {**LITE, HOOK: fx_pass})):
+        torch._dynamo.reset()
+        model = nn.Sequential(*[_MoE(world_size, rank, 10 * i, send, recv) for i in range(2)])
+        x = torch.randn(600, WIDTH, generator=torch.Generator().manual_seed(100 + rank))
+        loss = torch.compile(model, backend="inductor", options=options)(x).square().sum()
+        loss.backward()
+        out[name] = [loss.detach()] + [p.grad.detach().clone() for p in model.parameters()]
+    out["orders"], out["notes"] = fx_pass.orders, [run["report"]["notes"] for run in fx_pass.runs]
+    out["uuid"] = fx_pass.uuid()
+    return out
+
+
+@pytest.mark.multirank
+def test_compile_with_a_group_gives_ranks_of_other_sizes_one_schedule():
+    """`FxschedInductorPass(group="world")`: the forward and backward graphs each rank compiles
+    with its own all-to-all sizes (the all-to-alls and the expert's ops differ in size: each run
+    notes it) are scheduled as one program on both ranks: their collectives come in one order,
+    and the compiled step computes bitwise what it does without the pass. The pass gives Inductor
+    no cache key (every rank must run it)."""
+    from fxsched.runtime.agreement import compare_entries
+
+    results = run_ranks(_ep_compile_worker, 2, group_name="ep", timeout=600)
+    assert len(results[0]["orders"]) == len(results[1]["orders"]) == 2
+    for a, b in zip(results[0]["orders"], results[1]["orders"]):
+        assert compare_entries([a, b]) is None
+    for rank, r in enumerate(results):
+        assert all(torch.equal(a, b) for a, b in zip(r["plain"], r["agreed"], strict=True)), rank
+        assert all(any("ops differ in size between them" in n for n in notes) for notes in r["notes"]), r["notes"]
+        assert r["uuid"] is None
+
+
+def test_a_pass_with_a_group_has_no_cache_key_and_one_rank_agrees_with_itself():
+    """With a group the pass is a collective, so Inductor may not skip it on one rank (uuid None);
+    without torch.distributed, `"world"` is one rank: the schedule is the one without a group."""
+    assert FxschedInductorPass(group="world").uuid() is None and FxschedInductorPass().uuid() is not None
+    assert "group='world'" in repr(FxschedInductorPass(group="world"))
+    import fxsched
+
+    gm = _untagged_graph()
+    from fxsched.lowering.structural import tag_fsdp_collectives
+
+    tag_fsdp_collectives(gm.graph)
+    plain, alone = fxsched.schedule(gm), fxsched.schedule(gm, group="world")
+    assert [n.name for n in plain.graph_module.graph.nodes] == [n.name for n in alone.graph_module.graph.nodes]
