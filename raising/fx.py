@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from itertools import repeat
-from operator import attrgetter, is_not, ne
+from operator import attrgetter, is_not
 from typing import Any
 
 from torch import fx
@@ -116,15 +116,18 @@ def reorders_only(program: Program) -> bool:
     if len(program.payload) != len(graph.nodes):
         return False
     for name, node in program.payload.items():
-        if not isinstance(node, fx.Node) or node.graph is not graph or not _reads_its_inputs(node, ops[name]["op"]):
+        if not isinstance(node, fx.Node) or node.graph is not graph or not _reads_its_inputs(node, ops[name]["op"], program.payload):
             return False
     return True
 
 
-def _reads_its_inputs(node: fx.Node, op) -> bool:
-    """Whether `op`'s operands are still `node`'s FX inputs, in order, as lowering made them."""
+def _reads_its_inputs(node: fx.Node, op, payload: dict) -> bool:
+    """Whether `op`'s operands are still `node`'s FX inputs, in order, as lowering made them:
+    the nodes the program's `payload` holds under the operands' names are those inputs (found
+    by the program's own name strings, without reading the FX nodes' names, which lowering
+    copied: lowering/fx.py, `names`)."""
     inputs, operands = node._input_nodes, op.operands  # its inputs' own dict, not a list copy
-    return len(inputs) == len(operands) and not any(map(ne, operands, map(_name, inputs)))
+    return len(inputs) == len(operands) and not any(map(is_not, map(payload.get, operands), inputs))
 
 
 def _origin(program: Program) -> fx.GraphModule:
@@ -176,7 +179,7 @@ def _raise(program: Program, lint: bool, meta: Mapping[str, Mapping[str, Any]]) 
             made[name] = _build(graph, op, node, value)
             continue
         mapper = remap
-        if not _reads_its_inputs(node, op):
+        if not _reads_its_inputs(node, op, payload):
             # a rewriting pass changed what it reads: each FX input maps to its operand's node
             mapper = dict(zip(node._input_nodes, map(value, op.operands))).__getitem__
         # Graph.node_copy, less its `copy.meta = ...`: assigning an attribute of a node already in
@@ -184,9 +187,11 @@ def _raise(program: Program, lint: bool, meta: Mapping[str, Mapping[str, Any]]) 
         # and puts it back (a tenth of raising); filling the new node's empty meta dict is the same
         # copy. (`_args` and `_kwargs` are what the `args` and `kwargs` properties return, less a
         # Python call each; most nodes have no kwargs to map.)
+        # (named by the program's name of the node, the same text as the FX node's: lowering's
+        # copy, which stays in cache, lowering/fx.py `names`)
         kwargs = node._kwargs
         copy = env[node] = create(node.op, node.target, _fx_map_arg(node._args, mapper),
-                                  _fx_map_arg(kwargs, mapper) if kwargs else kwargs, node.name, node.type)
+                                  _fx_map_arg(kwargs, mapper) if kwargs else kwargs, name, node.type)
         copy.meta.update(node.meta)
         if mapper is not remap and node.op == "call_function" and isinstance(op, View):
             # a view of a new input (a bucket's copy-out): lowering reads a reshape as a view only
@@ -219,7 +224,7 @@ def _lint_raised(gm: fx.GraphModule, create) -> None:
         fxlint.lint(graph)
 
 
-_name, _graph = attrgetter("name"), attrgetter("graph")
+_graph = attrgetter("graph")
 
 
 def _copier(graph: fx.Graph):
