@@ -160,10 +160,13 @@ class _Lowering:
         # a view of one (its subgraph returns an input at a position fxsched cannot tell) -> those
         # operands: its `may_alias` (`hop_alias`)
         self.one_of: dict[str, tuple[str, ...]] = {}
-        # a view of several tensors whose i-th element views the i-th of these alone (`viewed_items`)
-        self.items: dict[str, tuple[str, ...]] = {}
+        # a result of several tensors' storages (a view of several, a higher-order op's) -> per
+        # element: the operand whose storage it is (a name), those it may be each of or fresh (a
+        # tuple; empty: fresh), or None (unknown: any the op may be); `viewed_items`, `hop_alias`
+        self.items: dict[str, tuple[str | tuple[str, ...] | None, ...]] = {}
         self.returns: dict[int, list[int] | None] = {}  # id of a subgraph -> `returned_inputs`
-        self.returns_each: dict[int, list[tuple[int, ...]] | None] = {}  # id of a subgraph -> per element, those
+        # id of a subgraph -> per element of its returned tuple, the inputs it may share (None: no node)
+        self.returns_each: dict[int, list[tuple[int, ...] | None] | None] = {}
         self.unorder_tagged: list[fx.Node] = []  # nodes tagged `fsdp_unordered` (read back by `collective`)
         self.fake_mode = None  # the FakeTensorMode of the first val with storage (see `storage`)
         self.results: dict[str, tuple | list] = {}  # an op returning its arguments (or a getitem of its result) -> what it returns
@@ -264,16 +267,27 @@ class _Lowering:
         if len(found) > 1:
             self.one_of[self.name_of(node)] = tuple(map(self.name_of, found))
             each = [self.returns_each.get(id(sub)) for sub in subgraphs] if operands is not None else [None]
-            if (all(e is not None and e == each[0] for e in each)
-                    and len(operands) == len(subgraphs[0].graph.find_nodes(op="placeholder"))):
-                # every subgraph returns a tuple whose elements each share one input's storage (the
-                # same in each: `cond`'s branches), or none: a getitem of such an element is an alias
-                # of that operand alone (`item`), the others views of the op, which may be each
-                self.items[self.name_of(node)] = tuple(
-                    self.name_of(operands[ats[0]]) if len(ats) == 1 and isinstance(operands[ats[0]], fx.Node) else None
-                    for ats in each[0])
+            if (all(e is not None and len(e) == len(each[0]) for e in each)
+                    and all(len(operands) == len(sub.graph.find_nodes(op="placeholder")) for sub in subgraphs)):
+                # every subgraph returns a tuple: per position, a getitem of it aliases the one input
+                # every subgraph returns there, or may be each of those some subgraph may return
+                # there (`cond`'s branches returning different ones; or fresh), not every one the
+                # op may be (`item`)
+                self.items[self.name_of(node)] = tuple(self.hop_item([e[i] for e in each], operands)
+                                              for i in range(len(each[0])))
             return None
         return self.name_of(found[0]) if found else None
+
+    def hop_item(self, each: list[tuple[int, ...] | None], operands: list) -> str | tuple[str, ...] | None:
+        """`items`' entry for one position of a higher-order op's tuple, given what each subgraph
+        returns there (`returns_each`'s entries): the operand's name where each returns one same
+        input; else the operands any may return (it may be each of them, or fresh); None where one
+        returns no node (a nested tuple) or an input that is no node of the op."""
+        if any(e is None for e in each) or any(not isinstance(operands[at], fx.Node) for e in each for at in e):
+            return None
+        if len(each[0]) == 1 and all(e == each[0] for e in each):
+            return self.name_of(operands[each[0][0]])
+        return tuple(self.name_of(operands[at]) for at in sorted({at for e in each for at in e}))
 
     def returned_inputs(self, sub: fx.GraphModule) -> list[int] | None:
         """The positions of `sub`'s inputs whose storage its output shares (an input returned, a
@@ -292,12 +306,12 @@ class _Lowering:
             returned = {root for n in (output.all_input_nodes if output is not None else ())
                         for root in storage_candidates(program, n.name, roots)}
             self.returns[key] = [at for at, name in enumerate(inputs) if name in returned]
-            # per element of a returned tuple, the inputs it may share storage with (None: no tuple)
+            # per element of a returned tuple, the inputs it may share storage with (None: no tuple;
+            # per element, None where it is no node: a nested tuple may hold inputs)
             elements = output.args[0] if output is not None and output.args else None
             self.returns_each[key] = None if not isinstance(elements, (list, tuple)) else [
-                tuple(at for at, name in enumerate(inputs)
-                      if isinstance(e, fx.Node) and name in storage_candidates(program, e.name, roots))
-                for e in elements]
+                tuple(at for at, name in enumerate(inputs) if name in storage_candidates(program, e.name, roots))
+                if isinstance(e, fx.Node) else None for e in elements]
         return self.returns[key]
 
     def viewed(self, node: fx.Node, info: _Target) -> tuple[str, ...]:
@@ -313,30 +327,63 @@ class _Lowering:
             return node.args[at]
         return node.kwargs.get(argument.name)
 
-    def viewed_items(self, node: fx.Node, info: _Target) -> tuple[str, ...] | None:
-        """Per element of a view of several tensors, the one tensor it views, where that is known:
-        `broadcast_tensors`' and `meshgrid`'s i-th result views the i-th tensor given (a list, or
-        Python's varargs), a custom op's by its schema (`_viewed_items`); None where not
-        (`Tensor(a)[] -> Tensor(a)[]`, an element that is no node)."""
+    def viewed_items(self, node: fx.Node, info: _Target) -> tuple[str | tuple[str, ...], ...] | None:
+        """Per element of a view of several tensors, the tensor it views (`items`), where that is
+        known: `broadcast_tensors`' and `meshgrid`'s i-th result views the i-th tensor given (a
+        list, or Python's varargs), a custom op's by its schema (`_viewed_items`); else by the
+        call's `meta["val"]` (`val_items`: `Tensor(a)[] -> Tensor(a)[]`, whose schema pins no
+        position); None where none of these says (an element that is no node, no val)."""
         if info.viewed_items:
             values = [self.argument(node, info.schema, at) for at in info.viewed_items]
         elif info.positional:
             args = node.args
             values = list(args[0]) if len(args) == 1 and isinstance(args[0], (list, tuple)) else list(args)
         else:
-            return None
+            return self.val_items(node)
         if not values or not all(isinstance(v, fx.Node) for v in values):
             return None
         return tuple(map(self.name_of, values))
 
-    def item(self, node: fx.Node) -> str | None:
-        """The one tensor `getitem(source, i)` views, when `source` is in `items`."""
+    def val_items(self, node: fx.Node) -> tuple[str | tuple[str, ...], ...] | None:
+        """Per element of a list or tuple `meta["val"]`, the operand whose val shares its storage
+        (FakeTensors of one mode: `storage`), or those that do where several share it (aliasing
+        operands: it may be each); None where an element has no such storage or shares no
+        operand's (a real-mode val says nothing; a fresh element is not what the op's schema says
+        of it)."""
+        value = node.meta.get("val")
+        if not isinstance(value, (list, tuple)) or not value:
+            return None
+        found = []
+        for element in value:
+            key = self.key(element)
+            names = tuple(self.name_of(n) for n in node._input_nodes if key is not None and self.storage(n) == key)
+            if not names:
+                return None
+            found.append(names[0] if len(names) == 1 else names)
+        return tuple(found)
+
+    def item(self, node: fx.Node) -> str | tuple[str, ...] | None:
+        """`items`' entry for `getitem(source, i)`, when `source` is in `items`: the tensor whose
+        storage it is, those it may be each of (or fresh), or None (unknown: any the source may be)."""
         if len(node.args) != 2 or node.kwargs or not isinstance(node.args[0], fx.Node):
             return None
         items, at = self.items.get(self.name_of(node.args[0])), node.args[1]
         if items is None or type(at) is not int or not -len(items) <= at < len(items):
             return None
-        return items[at]  # (None: an element of no one known operand's storage)
+        return items[at]
+
+    def covered(self, node: fx.Node) -> bool:
+        """Whether every user of `node` (in `items`) is a plain getitem of an element whose storages
+        are known (`item`): each lowers as an access of those alone, and nothing else reads the op's
+        own result, so the op need not be (`may_alias`) every storage its elements may be."""
+        if self.name_of(node) not in self.items or not node.users:
+            return False
+        for user in node.users:
+            if (user.op != "call_function" or user.target is not operator.getitem or self.item(user) is None
+                    or user.args[0] is not node or user.meta.get(tags.COMM_TYPE) is not None
+                    or user.meta.get(tags.BARRIER)):
+                return False
+        return True
 
     def result_item(self, node: fx.Node) -> None:
         """`getitem(source, i)` of a result in `results` (at any depth): record what it is, the
@@ -427,23 +474,26 @@ class _Lowering:
         return self.states[key]
 
     def storage(self, node: fx.Node) -> int | None:
-        """`_storage_key` of the node's `meta["val"]`, once per node."""
+        """`key` of the node's `meta["val"]`, once per node."""
         try:
             return self.storages[node]
         except KeyError:
-            value = node.meta.get("val")
-            key = _storage_key(value)
-            mode = getattr(value, "fake_mode", None)
-            if mode is not None and key is not None:
-                # FakeTensors of one mode share storages as the traced tensors did; real-mode make_fx
-                # gives each val a mode of its own and a fresh storage (a view's val shares nothing
-                # with its input's): such a val says nothing about storage
-                if self.fake_mode is None:
-                    self.fake_mode = mode
-                elif mode is not self.fake_mode:
-                    key = None
-            self.storages[node] = key
+            key = self.storages[node] = self.key(node.meta.get("val"))
             return key
+
+    def key(self, value) -> int | None:
+        """`_storage_key` of a val, None where it says nothing about storage."""
+        key = _storage_key(value)
+        mode = getattr(value, "fake_mode", None)
+        if mode is not None and key is not None:
+            # FakeTensors of one mode share storages as the traced tensors did; real-mode make_fx
+            # gives each val a mode of its own and a fresh storage (a view's val shares nothing
+            # with its input's): such a val says nothing about storage
+            if self.fake_mode is None:
+                self.fake_mode = mode
+            elif mode is not self.fake_mode:
+                key = None
+        return key
 
     def shared(self, node: fx.Node) -> str | None:
         """The operand whose `meta["val"]` shares the storage of the node's own (None: none does,
@@ -626,17 +676,21 @@ class _Lowering:
                 self.result_item(node)
             if self.items and node.target is operator.getitem:
                 item = self.item(node)
-                if item is not None:
-                    # an element of a view of several tensors that views one known tensor: an alias
-                    # of it alone (ordered with its writes, not every source's). A View's source is
-                    # its first operand, which raising reads as the node's (the tuple), so a
-                    # Compute that also reads that tensor and aliases it
+                if type(item) is str:
+                    # an element of a result of several tensors' storages that views one known tensor:
+                    # an alias of it alone (ordered with its writes, not every source's). A View's
+                    # source is its first operand, which raising reads as the node's (the tuple), so
+                    # a Compute that also reads that tensor and aliases it
                     return Compute.make(name, (*operands, item), phase, types, target=target, alias=item)
+                if item:  # it may be each of a few (`cond`'s branches returning different ones) alone
+                    return Compute.make(name, (*operands, *item), phase, types, target=target, may_alias=item)
             several = sources if len(sources) > 1 else (operands if info.several and len(operands) > 1 else ())
             if several:
                 items = self.viewed_items(node, info)
                 if items is not None:
                     self.items[name] = items
+                    if self.covered(node):
+                        several = ()  # each getitem is the access of its own element's storages
                 # views of each of several tensors (`broadcast_tensors(a, b)`, `meshgrid`, a custom
                 # op's `(Tensor(a) x, Tensor(b) y) -> (Tensor(a), Tensor(b))` or `Tensor(a)[] ->
                 # Tensor(a)[]`): a View has one source, so the result may be each of theirs, and each
@@ -672,6 +726,8 @@ class _Lowering:
             # (`hop_alias`), a custom op's viewing several arguments and writing one; unless a val
             # shows the storage it shares
             several = self.one_of.pop(name, ()) or (sources if len(sources) > 1 else ())
+            if several and self.covered(node):
+                several = ()  # each getitem is the access of its own element's storages (`hop_alias`)
             if several and self.shared(node) is None:
                 may_alias = tuple(dict.fromkeys((*may_alias, *several)))
         if (unknown or not writes) and not random and self.impure(node):
@@ -706,7 +762,9 @@ class _Lowering:
             alias = self.name_of(node.args[0])  # no val says whether it is its input or a view of it: take it to be
         if alias is None and kind == "call_module" and isinstance(self.gm.get_submodule(node.target), fx.GraphModule):
             alias = self.hop_alias(node, [self.gm.get_submodule(node.target)])
-            may_alias = tuple(dict.fromkeys((*may_alias, *self.one_of.pop(name, ()))))
+            several = self.one_of.pop(name, ())
+            if several and not self.covered(node):
+                may_alias = tuple(dict.fromkeys((*may_alias, *several)))
         if info.cast and not writes:
             return Cast.make(name, operands, phase, types, target=target, alias=alias)
         return Compute.make(name, operands, phase, types, target=target, heavy=info.heavy, attention=info.attention,
