@@ -1,4 +1,5 @@
-"""Op classes by target name — matmuls, attention, heavy, point-to-point — in one place.
+"""Op classes by target name — matmuls, attention, heavy, point-to-point — and the functional
+collectives' namespaces, in one place.
 
 Lowering marks ops `heavy` / `attention` with these (the anchor pass prefetches behind heavy
 ops and spreads over attention intervals), and the cost model prices the same ops as matmuls
@@ -11,7 +12,13 @@ from __future__ import annotations
 MATMULS = frozenset({"mm", "addmm", "bmm", "baddbmm", "matmul", "linear"})
 #: a target whose name holds one of these is attention (forward or backward)
 ATTENTION_NAMES = ("scaled_dot_product", "flash_attention", "npu_fusion_attention")
-_NAMESPACES = ("aten", "prims", "_c10d_functional", "c10d_functional", "_c10d_functional_autograd", "npu")
+#: the functional collectives' op namespaces (lowering's collectives, runtime/agreement's).
+#: `_c10d_functional_autograd` holds the autograd forms of all_to_all_single, all_gather_into_tensor
+#: and reduce_scatter_tensor (funcol's `*_autograd`, kept by make_fx with `pre_dispatch=True` and
+#: torch.export): the same async collectives, completed by a `wait_tensor` (read as compute, a
+#: write of the input could go between it and its wait)
+COLLECTIVE_NAMESPACES = ("_c10d_functional", "c10d_functional", "_c10d_functional_autograd")
+_NAMESPACES = ("aten", "prims", *COLLECTIVE_NAMESPACES, "npu")
 #: point-to-point collectives (a send or a receive, matched by one peer's), by their short name
 POINT_TO_POINT = frozenset({"isend", "irecv"})
 
@@ -45,4 +52,4 @@ def is_heavy(target: str) -> bool:
 def is_point_to_point(target: str) -> bool:
     """A send or a receive (`_c10d_functional.isend` / `irecv`): its wait blocks until one peer
     posts the matching receive or send (ir/effects.py's `p2p-order`)."""
-    return target.startswith(("_c10d_functional", "c10d_functional")) and op_name(target) in POINT_TO_POINT
+    return target.startswith(COLLECTIVE_NAMESPACES) and op_name(target) in POINT_TO_POINT

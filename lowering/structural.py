@@ -53,8 +53,8 @@ import torch
 from torch import fx
 
 from .fx import REDUCE_SCATTER_TAG
-from .targets import COLLECTIVE_NAMESPACES
 from ..ir import tags
+from ..ir.opclass import COLLECTIVE_NAMESPACES
 
 __all__ = ["STRUCTURAL_TAG", "StructuralGather", "StructuralReduction", "StructuralResult", "find_fsdp_gathers",
            "find_gradient_reductions", "tag_fsdp_collectives", "tag_fsdp_gathers", "untag_fsdp_gathers"]

@@ -17,14 +17,9 @@ from typing import Any, NamedTuple
 import torch
 from torch import fx
 
-from ..ir.opclass import is_attention, is_heavy
+from ..ir.opclass import COLLECTIVE_NAMESPACES, is_attention, is_heavy
 
 CAST_OPS = {"prims::convert_element_type", "aten::_to_copy"}
-#: `_c10d_functional_autograd` holds the autograd forms of all_to_all_single, all_gather_into_tensor
-#: and reduce_scatter_tensor (funcol's `*_autograd`, kept by make_fx with `pre_dispatch=True` and
-#: torch.export): the same async collectives, completed by a `wait_tensor` (read as compute, a
-#: write of the input could go between it and its wait)
-COLLECTIVE_NAMESPACES = ("_c10d_functional", "c10d_functional", "_c10d_functional_autograd")
 #: Collectives outside those namespaces that run to completion when called (no wait): DTensor's
 #: Shard(i) -> Shard(j) redistribution, torch's symmetric-memory collectives (async tensor
 #: parallelism's fused all-gather-matmul and matmul-reduce-scatter, which Inductor's

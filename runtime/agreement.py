@@ -27,14 +27,15 @@ from torch import fx
 
 from ..ir import Launch, Opaque
 from ..ir import tags
+from ..ir.opclass import COLLECTIVE_NAMESPACES
 from ..lowering.fx import value_types
-from ..lowering.targets import COLLECTIVE_NAMESPACES, SYNCHRONOUS_COLLECTIVES, collective_overload, target_name
+from ..lowering.targets import SYNCHRONOUS_COLLECTIVES, collective_overload, target_name
 
 __all__ = ["ScheduleMismatch", "StructureMismatch", "agree_sizes", "check_ranks_agree", "collective_entries",
            "compare_entries", "describe", "fingerprint", "in_mesh_terms", "process_group"]
 
 _VERSION = "fxsched-collectives-v2"
-_NAMESPACES = (*COLLECTIVE_NAMESPACES, "c10d")  # lowering's, and the c10d ops a make_fx of torch.distributed keeps
+_NAMESPACES = (*COLLECTIVE_NAMESPACES, "c10d")  # ir's, and the c10d ops a make_fx of torch.distributed keeps
 _GATHER_TAGS = (tags.ALL_GATHER, tags.ALL_GATHER_BACKWARD)
 _ROLES = (*_GATHER_TAGS, tags.REDUCE_SCATTER)
 #: collectives whose sizes are each rank's own: an all-to-all with split sizes (expert

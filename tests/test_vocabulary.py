@@ -152,3 +152,23 @@ def test_front_lowering_and_runtime_read_tag_names_from_one_module():
                 if isinstance(node, ast.Constant) and node.value in names:
                     raise AssertionError(f"{folder}/{path.name}:{node.lineno} spells the tag {node.value!r}")
     assert print_program(parse_program(GATHER)) == GATHER
+
+
+def test_the_functional_collective_namespaces_are_spelled_once():
+    """ir/opclass.py's `COLLECTIVE_NAMESPACES` is what lowering and runtime/agreement.py read as
+    collectives, and what `op_name` and `is_point_to_point` read: it was lowering/targets.py's, and
+    ir/opclass.py spelled the namespaces twice more (ir/ may not import lowering/)."""
+    from fxsched.ir import opclass
+    from fxsched.lowering import structural, targets
+    from fxsched.runtime import agreement
+
+    spelled = ("_c10d_functional", "c10d_functional", "_c10d_functional_autograd")
+    assert opclass.COLLECTIVE_NAMESPACES == spelled
+    assert targets.COLLECTIVE_NAMESPACES is structural.COLLECTIVE_NAMESPACES is opclass.COLLECTIVE_NAMESPACES
+    assert agreement._NAMESPACES == (*spelled, "c10d")
+    paths = [*sorted((ROOT / "ir").glob("*.py")), *sorted((ROOT / "lowering").glob("*.py")),
+             ROOT / "runtime" / "agreement.py"]
+    found = [f"{path.parent.name}/{path.name}:{node.lineno}" for path in paths
+             for node in ast.walk(ast.parse(path.read_text()))
+             if isinstance(node, ast.Constant) and node.value in spelled]
+    assert len(found) == len(spelled) and {place.split(":")[0] for place in found} == {"ir/opclass.py"}, found
