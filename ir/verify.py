@@ -2,6 +2,18 @@
 
 Each message names the node and the broken rule. Passes may assume verified input and must
 leave the program verified; the pass manager runs this between passes.
+
+Every rule is checked through its edges (the schedule keeps each one). Three are also derived
+again from the ops' own facts, so that a pass dropping an edge, or changing what an op says
+without redoing its edges, is caught: the `free` rule (every reader of a storage before its
+free), the phases, and `collective-order` (`_collective_order`). Each is a fact of the ops and
+of an order that every legal schedule keeps (collectives of one group keep theirs), so the
+schedule at hand derives the same pairs as the traced order did. `p2p-order` is not, and is
+checked through its edges alone, as `storage` is: a wait follows the sends and receives traced
+before it, and a legal schedule may move a wait below a send traced after it (nothing orders
+them: `isend; wait; irecv` scheduled `isend; irecv; wait`), where deriving it from that schedule
+would ask for an edge the rule never made and reject a legal program; the traced order is gone
+once a pass moved ops (tests/test_verify.py).
 """
 
 from __future__ import annotations

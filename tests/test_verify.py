@@ -321,3 +321,40 @@ def test_verify_moves_checks_the_edges_at_what_moved():
     with pytest.raises(VerifyError) as info:
         verify_moves(program, program.schedule.take_moved())
     assert "%relu: scheduled before %mm, which it must follow by a data edge" in info.value.problems
+
+
+
+P2P = textwrap.dedent('''
+    %x = input
+    %buf = input
+    ^entry
+    %send = launch "_c10d_functional.isend.default"(%x) {group = "cp"}
+    FIRST
+    SECOND
+    %output = output(%ws, %wr)
+''').lstrip()
+SEND_WAIT = "%ws = wait(%send)"
+RECV = '%recv = launch "_c10d_functional.irecv.default"(%buf) {group = "cp"}\n%wr = wait(%recv)'
+
+
+def test_schedule_breaking_the_p2p_order():
+    """`isend; irecv; wait(isend)`: the send's wait follows the receive traced before it (the
+    peer, running the same schedule, may need it first): checked through that edge."""
+    program = parse_program(P2P.replace("FIRST", RECV).replace("SECOND", SEND_WAIT))
+    verify(program)
+    assert program.graph.edges["recv", "ws"]["why"] == "p2p-order"
+    reorder(program, "ws", before="recv")
+    (message,) = problems(program)
+    assert message == "%ws: scheduled before %recv, which it must follow by an effect edge (p2p-order)"
+
+
+def test_a_wait_moved_below_a_send_traced_after_it_verifies():
+    """`isend; wait; irecv`: no edge orders the send's wait and the later receive, so a pass may
+    schedule the wait below it. `p2p-order` read off that schedule would ask for an edge the rule
+    never made (the wait follows the receive): verify derives it from no schedule, as it does
+    `collective-order`, and accepts the legal program (ir/verify.py's docstring)."""
+    program = parse_program(P2P.replace("FIRST", SEND_WAIT).replace("SECOND", RECV))
+    verify(program)
+    assert not any(e.get("why") == "p2p-order" for *_, e in program.graph.edges(data=True))
+    reorder(program, "ws", before="wr")  # isend; irecv; wait(isend); wait(irecv)
+    verify(program)
