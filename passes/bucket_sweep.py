@@ -514,38 +514,9 @@ class _SharedBaseSweep(Sweep):
                 todo = ()
             else:
                 todo = ((name, steps[name]),)
-            for step_name, (kind, cost, stream, extra) in todo:
-                if kind == LAUNCH:
-                    begin = free.get(stream, 0.0)
-                    if begin < t:
-                        begin = t
-                    done = begin + cost
-                    free[stream] = done
-                    own[step_name] = done
-                    pending[step_name] = extra
-                    if extra:
-                        if t != last:  # a run of equal times ended: its level counts
-                            if level > peak:
-                                peak = level
-                            last = t
-                        level += extra
-                    continue
-                if kind == WAIT:
-                    done = own.get(extra)
-                    if done is None:
-                        done = shared.get(extra)
-                    if done is not None:
-                        if done > t:
-                            exposed += done - t
-                            t = done
-                        gathered = pending.pop(extra, 0)
-                        if gathered:
-                            if t != last:
-                                if level > peak:
-                                    peak = level
-                                last = t
-                            level -= gathered
-                t = t + cost
+            if todo:
+                t, exposed, level, peak, last = _step(todo, t, exposed, level, peak, last, free, pending, own, shared,
+                                                      None)
             if i >= end and name not in cur_skip and (steps[name][0] != OTHER or i == end) and same(i):
                 return result(i, True)
             j += 1
@@ -704,45 +675,9 @@ class _Walk:
                 else:
                     r = i + 1
                     todo = ((name, s),)
-            for step_name, (kind, cost, stream, extra) in todo:  # Clock.step, as in `trial`
-                if kind == LAUNCH:
-                    begin = free.get(stream, 0.0)
-                    if begin < t:
-                        begin = t
-                    done = begin + cost
-                    free[stream] = done
-                    own[step_name] = done
-                    pending[step_name] = extra
-                    if extra:
-                        if t != last:
-                            if level > peak:
-                                peak = level
-                            last = t
-                        level += extra
-                    continue
-                if kind == WAIT:
-                    done = own.get(extra)
-                    if done is None:
-                        done = shared.get(extra)
-                    if done is not None:
-                        if done > t:
-                            t = done
-                        gathered = pending.pop(extra, 0)
-                    elif self.runs or self.jumped:
-                        done, gathered = self._wait_in_run(extra)
-                        if done is None:
-                            done, gathered = self._wait_in_piece(extra)
-                        if done is not None and done > t:
-                            t = done
-                    else:
-                        gathered = 0
-                    if done is not None and gathered:
-                        if t != last:
-                            if level > peak:
-                                peak = level
-                            last = t
-                        level -= gathered
-                t = t + cost
+            if todo:  # (a wait on what a run or a jumped piece launched: read there)
+                t, _, level, peak, last = _step(todo, t, 0.0, level, peak, last, free, pending, own, shared,
+                                                self if self.runs or self.jumped else None)
             j += 1
             if j < n_live and live[j] < r:
                 j = bisect_left(live, r, j)
@@ -824,6 +759,57 @@ class _Walk:
                 if e > step:
                     step = e
         return step
+
+
+def _step(todo, t: float, exposed: float, level: int, peak: int, last: float, free: dict, pending: dict,
+          own: dict, shared, walk: _Walk | None) -> tuple[float, float, int, int, float]:
+    """`Clock.step`'s rules over the steps `todo` ((name, step) pairs) of one slot, on the
+    caller's state (`_SharedBaseSweep.trial`'s and `_Walk.walk`'s locals: a method call per op
+    on a Clock was most of a trial): returns the new (t, exposed, level, peak, last); `free`,
+    `pending` and `own` (what it launched, and their ends) are updated in place, and a wait reads
+    its launch's end in `own`, else in `shared`, else (`walk`) where one of the walk's runs or
+    jumped pieces launched it. The same operations in the same order as `Clock.step`."""
+    for step_name, (kind, cost, stream, extra) in todo:
+        if kind == LAUNCH:
+            begin = free.get(stream, 0.0)
+            if begin < t:
+                begin = t
+            done = begin + cost
+            free[stream] = done
+            own[step_name] = done
+            pending[step_name] = extra
+            if extra:
+                if t != last:  # a run of equal times ended: its level counts
+                    if level > peak:
+                        peak = level
+                    last = t
+                level += extra
+            continue
+        if kind == WAIT:
+            done = own.get(extra)
+            if done is None:
+                done = shared.get(extra)
+            if done is not None:
+                if done > t:
+                    exposed += done - t
+                    t = done
+                gathered = pending.pop(extra, 0)
+            elif walk is not None:
+                done, gathered = walk._wait_in_run(extra)
+                if done is None:
+                    done, gathered = walk._wait_in_piece(extra)
+                if done is not None and done > t:
+                    t = done
+            else:
+                gathered = 0
+            if done is not None and gathered:
+                if t != last:
+                    if level > peak:
+                        peak = level
+                    last = t
+                level -= gathered
+        t = t + cost
+    return t, exposed, level, peak, last
 
 
 def _in_flight(clock, name: str, s: tuple, at: int, launched: dict, waited: dict) -> None:
