@@ -410,14 +410,13 @@ def agree_sizes(program, group, *, device: torch.device | str | None = None) -> 
     pg = process_group(group)
     if pg is None:
         return {"ranks": 1, "sizes": 0, "differ": [], "raised": []}
-    from ..ir.sizes import op_sizes, sizes, structure, with_sizes
+    from ..ir.sizes import op_sizes, sizes, structure, structure_digest, with_sizes
 
     device = _device(pg, device)
-    lines = structure(program)
-    text = "\n".join(lines).encode()
-    digest = hashlib.sha256(text).hexdigest()
+    digest = structure_digest(program)
     digests = [d.decode() for d in _all_gather_bytes(digest.encode(), pg, device)]
-    if any(d != digest for d in digests):
+    if any(d != digest for d in digests):  # the programs' text, to say where
+        text = "\n".join(structure(program)).encode()
         every = [b.decode().split("\n") for b in _all_gather_bytes(text, pg, device)]
         raise _structure_mismatch(every, digests, pg)
     mine = sizes(program)
@@ -469,6 +468,10 @@ def _structure_mismatch(every: list[list[str]], digests: list[str], group) -> St
     index, rank = min((first_difference(every[r]), r) for r in differing)
     expected = expected_lines[index] if index < len(expected_lines) else None
     found = every[rank][index] if index < len(every[rank]) else None
+    if expected is None and found is None:  # equal text: a field it does not show, or another fxsched
+        return StructureMismatch(
+            f"ranks' programs differ (digests {sorted(set(digests))}) in nothing their text shows: do all ranks "
+            "run the same fxsched?", ranks=differing, agreeing=agreeing, index=-1, expected=None, found=None)
     what = "op" if (expected or found or "").startswith("%") else "line"
     message = (
         f"ranks' graphs differ in more than sizes, so no schedule can be one for all of them: rank"

@@ -417,13 +417,17 @@ def test_graphs_that_differ_per_rank_in_sizes_may_be_scheduled_differently_and_t
 
 
 def _ep_agree(rank, world_size, pipelines):
-    """On one rank: its EP graph's collectives as each pipeline schedules it alone and with
-    `group="world"`, the fingerprint `check_ranks_agree` returns for the latter, the outputs of
-    the traced graph and of each agreed schedule, and what scheduling with a group says when rank
-    1's graph has a sigmoid where rank 0's has a relu, and `agree_sizes` of a gather of other sizes
-    on each rank."""
+    """On one rank: its EP graph's collectives as each pipeline schedules it alone (`alone`) and
+    with `group="world"` (`agreed`; and the drop-in with the group), the fingerprint
+    `check_ranks_agree` returns for those, the outputs of the traced graph and of each (`outputs`);
+    the peak memory of the rank's own program in the order `default` gives under a cap at the
+    input's peak with the group, and that cap (`peak`); and what scheduling with a group says when
+    rank 1's graph has a sigmoid where rank 0's has a relu (`mismatch`), and `agree_sizes` of a
+    gather of other sizes on each rank (`sized`)."""
     from ranks import rank_feeds
 
+    from fxsched.cost.model import op_costs
+    from fxsched.cost.simulate import simulate
     from fxsched.ir import parse_program
     from fxsched.runtime.agreement import StructureMismatch, agree_sizes, check_ranks_agree, collective_entries
 
@@ -435,21 +439,29 @@ def _ep_agree(rank, world_size, pipelines):
         with torch.no_grad():
             return [t.detach() for t in module(*[t.clone() for t in feeds])]
 
-    alone = {p: collective_entries(fxsched.schedule(gm, p).graph_module) for p in pipelines}
-    agreed, fingerprints, outputs = {}, {}, [run(gm)]
+    out = {"alone": {p: collective_entries(fxsched.schedule(gm, p).graph_module) for p in pipelines},
+           "agreed": {}, "fingerprints": {}, "outputs": [run(gm)]}
     for p in pipelines:
         done = fxsched.schedule(gm, p, group="world")
-        agreed[p] = collective_entries(done.graph_module)
-        fingerprints[p] = check_ranks_agree(done.graph_module)
-        outputs.append(run(done.graph_module))
+        out["agreed"][p] = collective_entries(done.graph_module)
+        out["fingerprints"][p] = check_ranks_agree(done.graph_module)
+        out["outputs"].append(run(done.graph_module))
+    capped = fxsched.schedule(gm, "default", group="world", max_peak_increase_gb=0.0)
+    own = lower(gm)
+    own.schedule = Schedule(list(capped.program.schedule))
+    out["peak"] = (simulate(own, costs=op_costs(own)).peak_bytes, capped.report["gap"]["cap_bytes"])
+    dropin = fxsched.overlap_param_gather(gm, fxsched.PassConfig(), group="world")  # in place
+    out["agreed"]["drop-in"] = collective_entries(dropin)
+    out["fingerprints"]["drop-in"] = check_ranks_agree(dropin)
+    out["outputs"].append(run(dropin))
     if rank == 1:
         relu = next(n for n in gm.graph.nodes if n.target is aten.relu.default)
         relu.target = aten.sigmoid.default
     try:
         fxsched.schedule(gm, "default", group="world")
-        mismatch = None
+        out["mismatch"] = None
     except StructureMismatch as exc:
-        mismatch = (str(exc), exc.ranks, exc.expected, exc.found)
+        out["mismatch"] = (str(exc), exc.ranks, exc.expected, exc.found)
     size = 8 * (rank + 1)  # a gather of 8 elements on rank 0 and 16 on rank 1 (IR text)
     gather = parse_program(f"""%w = input : f32[4]
 ^entry
@@ -459,10 +471,10 @@ def _ep_agree(rank, world_size, pipelines):
 """)
     try:
         agree_sizes(gather, "world")
-        sized = None
+        out["sized"] = None
     except RuntimeError as exc:
-        sized = str(exc)
-    return alone, agreed, fingerprints, outputs, mismatch, sized
+        out["sized"] = str(exc)
+    return out
 
 
 @pytest.mark.multirank
@@ -471,30 +483,35 @@ def test_graphs_that_differ_per_rank_in_sizes_get_one_schedule_with_a_group_and_
     are checked to be equal but for sizes, and each size becomes its largest over the ranks
     (`runtime.agreement.agree_sizes`; 42 ops of the EP graph differ), so the cost-guided passes see
     one program. On 2 gloo ranks, the EP graphs whose `default` schedules differ alone (19 of 71
-    collectives) get one collective order under every pipeline (`check_ranks_agree` passes), and
-    each rank's scheduled graph computes what its traced graph does, bitwise. Where the graphs
-    differ in more than sizes the error says so on every rank, naming the op; so does a gather of
-    other sizes on the ranks (they could not run it together)."""
+    collectives) get one collective order under every pipeline and the drop-in
+    (`check_ranks_agree` passes), and each rank's scheduled graph computes what its traced graph
+    does, bitwise. A peak cap holds on each rank's own sizes (the cap at the input's peak is the
+    largest rank's: rank 1's own peak in that order is 21.39 MB, its input's 21.24, the cap 23.59).
+    Where the graphs differ in more than sizes the error says so on every rank, naming the op; so
+    does a gather of other sizes on the ranks (they could not run it together)."""
     from fxsched.runtime import run_ranks
     from fxsched.runtime.agreement import compare_entries
 
     pipelines = ("reference", "default", "rewrite")
     results = run_ranks(_ep_agree, 2, args=(pipelines,), group_name="ep", timeout=1200)
-    alone = compare_entries([r[0]["default"] for r in results])
+    alone = compare_entries([r["alone"]["default"] for r in results])
     assert alone is not None and alone.index == 36  # without the group: the known gap
-    for p in pipelines:
-        assert compare_entries([r[1][p] for r in results]) is None, p
-        assert results[0][2][p] == results[1][2][p], p
-    for rank, (*_, outputs, _, _) in enumerate(results):
-        for p, got in zip(pipelines, outputs[1:], strict=True):
-            assert len(got) == len(outputs[0]) and all(torch.equal(a, b) for a, b in zip(outputs[0], got)), (rank, p)
-    assert not torch.equal(results[0][3][0][0], results[1][3][0][0])  # the ranks computed different things
-    for rank in range(2):
-        message, ranks, expected, found = results[rank][4]
+    for p in (*pipelines, "drop-in"):
+        assert compare_entries([r["agreed"][p] for r in results]) is None, p
+        assert results[0]["fingerprints"][p] == results[1]["fingerprints"][p], p
+    for rank, r in enumerate(results):
+        expected, *scheduled = r["outputs"]
+        for p, got in zip((*pipelines, "drop-in"), scheduled, strict=True):
+            assert len(got) == len(expected) and all(torch.equal(a, b) for a, b in zip(expected, got)), (rank, p)
+        peak, cap = r["peak"]
+        assert cap == results[0]["peak"][1] and peak <= cap, (rank, peak, cap)
+    assert not torch.equal(results[0]["outputs"][0][0], results[1]["outputs"][0][0])  # the ranks' data differ
+    for r in results:
+        message, ranks, expected, found = r["mismatch"]
         assert ranks == [1] and "aten.relu.default" in expected and "aten.sigmoid.default" in found
         assert "differ in more than sizes" in message and "rank 1: %relu" in message, message
-        assert "%g (_c10d_functional.all_gather_into_tensor.default" in results[rank][5]
-        assert "other sizes on the ranks" in results[rank][5] and "f32[16]" in results[rank][5]
+        assert "%g (_c10d_functional.all_gather_into_tensor.default" in r["sized"]
+        assert "other sizes on the ranks" in r["sized"] and "f32[16]" in r["sized"]
 
 
 # --------------------------------------------------------------------------- the functional collectives' autograd namespace

@@ -9,7 +9,7 @@ import pytest
 
 from fxsched.cost.model import op_costs
 from fxsched.ir import parse_program, print_program
-from fxsched.ir.sizes import UNKNOWN_BYTES, sizes, structure, with_sizes
+from fxsched.ir.sizes import UNKNOWN_BYTES, sizes, structure, structure_digest, with_sizes
 
 
 def _text(tokens: int, dp: str = "dp", ep: str = "ep", nbytes: str = "nbytes = 32, ", mul: str = "aten.mul.Tensor"):
@@ -32,12 +32,18 @@ def test_programs_equal_but_for_sizes_and_group_names_have_one_structure():
     one structure. Another op is another structure; a launch whose size one rank does not know is
     not (its size is one of `sizes`)."""
     a, b = parse_program(_text(650)), parse_program(_text(550, dp="d1", ep="e1"))
-    assert structure(a) == structure(b)
+    assert structure(a) == structure(b) and structure_digest(a) == structure_digest(b)
     assert sizes(a) != sizes(b)
-    other = structure(parse_program(_text(550, mul="aten.div.Tensor")))
-    differ = [(x, y) for x, y in zip(structure(a), other) if x != y]
+    div = parse_program(_text(550, mul="aten.div.Tensor"))
+    differ = [(x, y) for x, y in zip(structure(a), structure(div)) if x != y]
     assert len(differ) == 1 and "aten.mul.Tensor" in differ[0][0] and "aten.div.Tensor" in differ[0][1]
-    assert structure(parse_program(_text(650, nbytes=""))) == structure(a)
+    assert structure_digest(div) != structure_digest(a)
+    swapped = parse_program(_text(650, dp="ep", ep="dp"))  # named otherwise, still two groups in one order
+    assert structure_digest(swapped) == structure_digest(a)
+    one = parse_program(_text(650, dp="g", ep="g"))  # one group where there were two: other structure
+    assert structure(one) != structure(a) and structure_digest(one) != structure_digest(a)
+    unknown = parse_program(_text(650, nbytes=""))
+    assert structure(unknown) == structure(a) and structure_digest(unknown) == structure_digest(a)
 
 
 def test_with_sizes_gives_each_rank_the_largest_and_one_price_per_op():
