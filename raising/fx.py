@@ -178,22 +178,37 @@ def _raise(program: Program, lint: bool, meta: Mapping[str, Mapping[str, Any]]) 
         if isinstance(node, Call):
             made[name] = _build(graph, op, node, value)
             continue
-        mapper = remap
-        if not _reads_its_inputs(node, op, payload):
-            # a rewriting pass changed what it reads: each FX input maps to its operand's node
-            mapper = dict(zip(node._input_nodes, map(value, op.operands))).__getitem__
         # Graph.node_copy, less its `copy.meta = ...`: assigning an attribute of a node already in
         # the graph goes through Node.__setattr__, which takes it out of the graph's lookup table
         # and puts it back (a tenth of raising); filling the new node's empty meta dict is the same
         # copy. (`_args` and `_kwargs` are what the `args` and `kwargs` properties return, less a
-        # Python call each; most nodes have no kwargs to map.)
-        # (named by the program's name of the node, the same text as the FX node's: lowering's
-        # copy, which stays in cache, lowering/fx.py `names`)
+        # Python call each; most nodes have no kwargs to map.) Named by the schedule's string,
+        # the FX node's name as lowering copied it (lowering/fx.py, `names`): the same text.
         kwargs = node._kwargs
-        copy = env[node] = create(node.op, node.target, _fx_map_arg(node._args, mapper),
-                                  _fx_map_arg(kwargs, mapper) if kwargs else kwargs, name, node.type)
+        try:  # each FX input read as its own copy, as the op reads it unless a pass rewrote it
+            args, kwargs = _fx_map_arg(node._args, remap), _fx_map_arg(kwargs, remap) if kwargs else kwargs
+        except KeyError:  # an FX input not raised before it: the op no longer reads it
+            args = None
+        if args is not None:
+            copy = env[node] = create(node.op, node.target, args, kwargs, name, node.type)
+            # whether the op reads those copies, in order: each is named by its op's own string,
+            # the very object in the op's operands (`_reads_its_inputs` was ~15% of raising);
+            # where not, the copy reads what the op does (below)
+            rewired = op.operands != tuple(map(_name, copy._input_nodes))
+        else:
+            copy, rewired = None, True
+        if rewired:
+            # a rewriting pass changed what it reads (or a name was not kept): each FX input maps
+            # to its operand's node
+            mapper = dict(zip(node._input_nodes, map(value, op.operands))).__getitem__
+            kwargs = node._kwargs
+            args, kwargs = _fx_map_arg(node._args, mapper), _fx_map_arg(kwargs, mapper) if kwargs else kwargs
+            if copy is None:
+                copy = env[node] = create(node.op, node.target, args, kwargs, name, node.type)
+            else:  # (through the properties: users and the lookup table kept)
+                copy.args, copy.kwargs = args, kwargs
         copy.meta.update(node.meta)
-        if mapper is not remap and node.op == "call_function" and isinstance(op, View):
+        if rewired and not _reads_its_inputs(node, op, payload) and node.op == "call_function" and isinstance(op, View):
             # a view of a new input (a bucket's copy-out): lowering reads a reshape as a view only
             # where its val shares its input's storage, so it takes its val from that input
             _fake_val(copy)
@@ -224,7 +239,7 @@ def _lint_raised(gm: fx.GraphModule, create) -> None:
         fxlint.lint(graph)
 
 
-_graph = attrgetter("graph")
+_name, _graph = attrgetter("name"), attrgetter("graph")
 
 
 def _copier(graph: fx.Graph):

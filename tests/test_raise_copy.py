@@ -132,3 +132,28 @@ def test_meta_tags_the_named_nodes():
     assert {n.name: n.meta["tag"] for n in raised.graph.nodes if "tag" in n.meta} == \
         {name: i for i, name in enumerate(names)}
     assert not any("tag" in n.meta for n in gm.graph.nodes)  # the source's meta is not touched
+
+
+def test_an_op_rewritten_to_read_another_raised_node_reads_it():
+    # raising copies each node reading its FX inputs' copies and checks the op still reads
+    # those; where a pass made it read another node raised before it (its old input raised
+    # too), the copy is made to read that one: users and the lookup table follow
+    from fxsched.ir.rewriter import Rewriter
+
+    class M(torch.nn.Module):
+        def forward(self, x):
+            a, b = torch.relu(x), torch.neg(x)
+            return a + 1, b
+
+    gm = fx.symbolic_trace(M())
+    program = lower(gm)
+    assert Rewriter(program).replace_uses("relu", "neg", only={"add"}) == ["add"]
+    raised = raise_program(program).graph
+    nodes = {n.name: n for n in raised.nodes}
+    assert nodes["add"].args == (nodes["neg"], 1)
+    assert nodes["add"].all_input_nodes == [nodes["neg"]]
+    assert not nodes["relu"].users and set(nodes["neg"].users) == {nodes["add"], nodes["output"]}
+    assert nodes["add"] in raised.find_nodes(op="call_function", target=operator.add)
+    raised.lint()
+    # the user's module is left as it was
+    assert [n.name for n in gm.graph.find_nodes(op="call_function", target=operator.add)[0].all_input_nodes] == ["relu"]
