@@ -196,7 +196,8 @@ class Compute(Op):
 @irop("cast")
 @attrs.frozen(kw_only=True)
 class Cast(Op):
-    """A dtype conversion; a lone cast of a shard moves with the gather that reads it."""
+    """A dtype conversion (or DTensor's pad of a smaller shard before its gather); a lone cast of a
+    shard moves with the gather that reads it."""
 
     target: str = ""
 

@@ -29,7 +29,7 @@ from ..ir import tags
 from ..ir.holds import BUCKET_WITHOUT_MEMBERS, NO_PARAMETER_NAME
 from .targets import (FUNCTIONAL_HOPS, P2P_BATCH, SYNCHRONOUS_COLLECTIVES, TRITON_FUNCTIONAL, TRITON_MUTATION, _MODULES_RETURNING_INPUT,
                       _PLAIN_ATTRIBUTES, _VIEW_ATTRIBUTES, _Target, _classify, _graph_draws, _graph_state, _graph_writes,
-                      _random_module, _subgraphs, _updates_running_stats, _written_arguments, target_name,
+                      _random_module, _subgraphs, _updates_running_stats, _written_arguments, pads_first_dim_end, target_name,
                       triton_written)
 
 GATHER_TAGS = {tags.ALL_GATHER: Role.GATHER, tags.ALL_GATHER_BACKWARD: Role.REGATHER}
@@ -765,7 +765,7 @@ class _Lowering:
             several = self.one_of.pop(name, ())
             if several and not self.covered(node):
                 may_alias = tuple(dict.fromkeys((*may_alias, *several)))
-        if info.cast and not writes:
+        if (info.cast or pads_first_dim_end(node)) and not writes:
             return Cast.make(name, operands, phase, types, target=target, alias=alias)
         return Compute.make(name, operands, phase, types, target=target, heavy=info.heavy, attention=info.attention,
                             random=random, writes=writes, alias=alias, may_alias=may_alias)

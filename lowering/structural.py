@@ -5,7 +5,8 @@ FX → tagged FX (in place, on `node.meta` only; no node is added, removed or mo
 graphs as it sees tagged ones.
 
 A gather is recognised structurally: a functional `all_gather_into_tensor` whose input traces
-back, through single-input casts and views, to a graph input (the parameter's shard), and
+back, through single-input casts and views (and the pad DTensor adds at the end of a smaller
+shard's first dim), to a graph input (the parameter's shard), and
 whose only user is a `wait_tensor`. It gets the tags lowering reads (docs/design.md, "The input fxsched expects"):
 `comm_type` (`fsdp_all_gather`, or `fsdp_all_gather_backward` in the backward phase),
 `param_name` (the graph input's name) and `fsdp_unsharded_nbytes` (from the gather's
@@ -53,6 +54,7 @@ import torch
 from torch import fx
 
 from .fx import REDUCE_SCATTER_TAG
+from .targets import pads_first_dim_end
 from ..ir import tags
 from ..ir.opclass import COLLECTIVE_NAMESPACES
 
@@ -74,6 +76,10 @@ _CASTS = {"prims::convert_element_type", "aten::_to_copy", "aten::to"}
 # does not declare an alias (or copies): still "the parameter's shard"
 _LAYOUT_COPIES = {"aten::clone", "aten::contiguous", "aten::_unsafe_view", "aten::reshape", "aten::flatten",
                   "aten::view_as_real", "aten::view_as_complex"}
+# DTensor pads a rank's smaller shard of a parameter whose first dim no world size divides at
+# the end of that dim before gathering it (SimpleFSDP, torchtitan): only the ranks with a smaller
+# shard have the pad, so taken for compute it made the ranks recognise other gathers
+_PAD = "aten::constant_pad_nd"  # (when `pads_first_dim_end`)
 _PHASES = (None, "forward", "backward")
 LOG = logging.getLogger("fxsched.lowering.structural")
 
@@ -184,6 +190,8 @@ def _passes_shard_through(node: fx.Node) -> bool:
         return False
     if name in _CASTS or name in _LAYOUT_COPIES:
         return True
+    if name == _PAD:
+        return pads_first_dim_end(node)
     schema = node.target._schema
     return (not schema.is_mutable and bool(schema.returns) and schema.returns[0].alias_info is not None
             and not schema.returns[0].alias_info.is_write)

@@ -40,6 +40,20 @@ SYNCHRONOUS_COLLECTIVES = frozenset({"_dtensor::shard_dim_alltoall"} | {f"symm_m
     "npu::npu_mm_all_reduce_base", "npu::npu_all_gather_base_mm", "npu::npu_mm_reduce_scatter_base"})
 
 
+def pads_first_dim_end(node: fx.Node) -> bool:
+    """An `aten.constant_pad_nd` that adds rows at the end of its input's first dim only (its pad
+    list names every dim, last dim first: all zero but the last entry): DTensor's pad of a rank's
+    smaller shard before it is gathered (SimpleFSDP's uneven shards). Lowered as a cast: only the
+    ranks with a smaller shard have it, and it moves with its gather as a cast of a shard does."""
+    if node.target is not torch.ops.aten.constant_pad_nd.default or not node.all_input_nodes:
+        return False
+    pad = node.args[1] if len(node.args) > 1 else node.kwargs.get("pad")
+    value = node.all_input_nodes[0].meta.get("val")
+    if not isinstance(pad, (list, tuple)) or not isinstance(value, torch.Tensor) or len(pad) != 2 * value.dim():
+        return False
+    return all(isinstance(p, int) and p == 0 for p in pad[:-1]) and isinstance(pad[-1], int) and pad[-1] >= 0
+
+
 def target_name(node: fx.Node) -> str:
     return _target_name(node.target)
 
