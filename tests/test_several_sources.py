@@ -594,3 +594,26 @@ def test_a_cond_element_one_branch_returns_and_the_other_makes_may_be_that_opera
         (None, ("x",)), ("y", ())]
     for p in (True, False):
         assert_every_legal_order_computes_the_same(gm, [torch.tensor(p), torch.randn(4), torch.randn(4)])
+
+
+@pytest.mark.parametrize("mode", ["real", "fake"])
+def test_each_element_of_atleast_1d_views_the_source_its_val_shares(mode):
+    """`atleast_1d(a, b)` (b 0-d: a view of it) returns views of a and of b, no schema or table
+    pinning which is which; a fake val does (`val_items`): each getitem aliases its own input and
+    the op none (18 legal orders, where each may be either, now 70). Real mode: as before (18)."""
+    import networkx as nx
+
+    def f(a, b):
+        x, y = torch.atleast_1d(a, b)
+        before = y * 3
+        b.add_(1)
+        return x * 2, before, y * 5, a.neg()
+
+    inputs = [torch.randn(3), torch.randn(())]
+    gm = make_fx(f, tracing_mode=mode, pre_dispatch=True)(*[t.clone() for t in inputs])
+    program = lower(gm)
+    known = mode == "fake"
+    assert [program.op(n).alias for n in ("getitem", "getitem_1")] == (["a_1", "b_1"] if known else [None, None])
+    assert program.op("atleast_1d").may_alias == (() if known else ("a_1", "b_1"))
+    assert sum(1 for _ in nx.all_topological_sorts(program.graph)) == (70 if known else 18)
+    assert_every_legal_order_computes_the_same(gm, inputs)
