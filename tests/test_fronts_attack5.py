@@ -22,7 +22,7 @@ import pytest
 import torch
 from torch import fx, nn
 
-import fxsched  # noqa: F401  (the checkout under test, before torchtitan's imports)
+import fxsched  # the checkout under test, imported before torchtitan
 
 HANG_SECONDS = 20  # a collective that waits longer has hung (4 ranks share 2 cores: generous)
 WORLD, WIDTH = 4, 8
@@ -202,6 +202,23 @@ def _orders_of(gm, count):
     return program, _random_orders(program, count, 0)
 
 
+def _runs_in_orders(mesh, gm, inputs, count, digest):
+    """`gm` on `inputs` as traced, then in `count` seeded random legal orders of its lowered program
+    (`_orders_of`), each run by `_run_guarded`; `digest` takes the order of the collectives and
+    waits in each order run (the same on every rank, or the ranks would not run them together)."""
+    from fxsched.ir import Launch, Wait
+    from fxsched.ir.program import Schedule
+    from fxsched.raising import raise_program
+
+    program, orders = _orders_of(gm, count)
+    runs = [_run_guarded(mesh, gm, inputs)]
+    for order in orders:
+        digest.update(repr([n for n in order if isinstance(program.op(n), (Launch, Wait))]).encode())
+        program.schedule = Schedule(order)
+        runs.append(_run_guarded(mesh, raise_program(program), inputs))
+    return runs
+
+
 def _compiled_worker(rank, world_size, pipelines, orders):
     """On one rank of the 2-D mesh: the compiled step as Inductor compiles it, then with fxsched's
     pass running each of `pipelines`; then each post-grad graph (forward, backward) on seeded
@@ -212,9 +229,6 @@ def _compiled_worker(rank, world_size, pipelines, orders):
     import hashlib
 
     from fxsched.integrations.inductor import FxschedInductorPass
-    from fxsched.ir import Launch, Wait
-    from fxsched.ir.program import Schedule
-    from fxsched.raising import raise_program
 
     _short_timeouts()
     mesh = _mesh()
@@ -228,13 +242,7 @@ def _compiled_worker(rank, world_size, pipelines, orders):
     graphs, digest = [], hashlib.sha256()
     for index, gm in enumerate(capture.graphs):
         inputs = _feeds(gm, 1000 * index + rank)
-        program, chosen = _orders_of(gm, orders)
-        runs = [_run_guarded(mesh, gm, inputs)]
-        for order in chosen:
-            digest.update(repr([n for n in order if isinstance(program.op(n), (Launch, Wait))]).encode())
-            program.schedule = Schedule(order)
-            runs.append(_run_guarded(mesh, raise_program(program), inputs))
-        graphs.append(runs)
+        graphs.append(_runs_in_orders(mesh, gm, inputs, orders, digest))
     groups = {name: mesh.get_group(name).group_name for name in mesh.mesh_dim_names}
     return {"steps": steps, "graphs": graphs, "orders": digest.hexdigest(), "groups": groups, "records": records}
 
@@ -438,27 +446,13 @@ def _dtensor_worker(rank, world_size, count, pipelines):
     picks its own chunk)."""
     import hashlib
 
-    import fxsched
-    from fxsched.ir import Launch, Wait
-    from fxsched.ir.program import Schedule
-    from fxsched.raising import raise_program
-    from test_fronts_attack import _random_orders
-
-    from fxsched.lowering import lower
-
     _short_timeouts()
     mesh = _mesh()
     gm = _dtensor_graph(mesh)
     gen = torch.Generator().manual_seed(rank)
     inputs = [torch.randn(4, 6, generator=gen) for _ in range(3)]
-    program = lower(gm)
-    orders = _random_orders(program, count, 0)
     digest = hashlib.sha256()
-    runs = [_run_guarded(mesh, gm, inputs)]
-    for order in orders:
-        digest.update(repr([n for n in order if isinstance(program.op(n), (Launch, Wait))]).encode())
-        program.schedule = Schedule(order)
-        runs.append(_run_guarded(mesh, raise_program(program), inputs))
+    runs = _runs_in_orders(mesh, gm, inputs, count, digest)
     for pipeline in pipelines:
         runs.append(_run_guarded(mesh, fxsched.schedule(_dtensor_graph(mesh), pipeline).graph_module, inputs))
     return {"runs": runs, "collectives": digest.hexdigest()}
@@ -518,21 +512,13 @@ def _joint_worker(rank, world_size, count, pipelines):
     import hashlib
 
     from fxsched.integrations.torchtitan import fxsched_pass
-    from fxsched.ir import Launch, Wait
-    from fxsched.ir.program import Schedule
-    from fxsched.raising import raise_program
 
     _short_timeouts()
     mesh = _mesh()
     gm = _joint_graph(mesh)
     inputs = _feeds(gm, rank)
-    program, orders = _orders_of(gm, count)
     digest = hashlib.sha256()
-    runs = [_run_guarded(mesh, gm, inputs)]
-    for order in orders:
-        digest.update(repr([n for n in order if isinstance(program.op(n), (Launch, Wait))]).encode())
-        program.schedule = Schedule(order)
-        runs.append(_run_guarded(mesh, raise_program(program), inputs))
+    runs = _runs_in_orders(mesh, gm, inputs, count, digest)
     for pipeline in pipelines:
         scheduled = fxsched_pass(pipeline)(_joint_graph(mesh))
         runs.append(_run_guarded(mesh, scheduled, inputs))
