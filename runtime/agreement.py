@@ -207,28 +207,39 @@ def describe(entry: dict[str, Any] | None) -> str:
     return " ".join(parts)
 
 
-def compare_entries(per_rank: Sequence[Sequence[dict[str, Any]]]) -> ScheduleMismatch | None:
-    """None when every rank's collective list is the same; else the error naming the ranks that
-    differ from the majority (ties: the side of the lowest rank) and the first differing collective."""
-    digests = [_digest(entries) for entries in per_rank]
+def _first_difference(per_rank: Sequence[Sequence[Any]], digests: list[str]):
+    """Where ranks' lists (of collectives, of program lines) disagree, given each list's digest:
+    (agreeing, differing, index, rank, expected, found) — the ranks with the majority's digest
+    (ties: the side of the lowest rank) and the others, the first position `index` where one of
+    the others differs and the lowest such `rank`, and the item there on the majority's list and on
+    that rank's (None past a list's end). Some digest must differ."""
     counts = Counter(digests)
     reference = max(counts, key=lambda d: (counts[d], -digests.index(d)))
-    if len(counts) == 1:
-        return None
     agreeing = [r for r, d in enumerate(digests) if d == reference]
     differing = [r for r, d in enumerate(digests) if d != reference]
     expected_list = per_rank[agreeing[0]]
 
-    def first_difference(entries) -> int:
-        for i, (a, b) in enumerate(zip(expected_list, entries)):
+    def first_difference(items) -> int:
+        for i, (a, b) in enumerate(zip(expected_list, items)):
             if a != b:
                 return i
-        return min(len(expected_list), len(entries))
+        return min(len(expected_list), len(items))
 
     index, rank = min((first_difference(per_rank[r]), r) for r in differing)
     found_list = per_rank[rank]
     expected = expected_list[index] if index < len(expected_list) else None
     found = found_list[index] if index < len(found_list) else None
+    return agreeing, differing, index, rank, expected, found
+
+
+def compare_entries(per_rank: Sequence[Sequence[dict[str, Any]]]) -> ScheduleMismatch | None:
+    """None when every rank's collective list is the same; else the error naming the ranks that
+    differ from the majority (ties: the side of the lowest rank) and the first differing collective."""
+    digests = [_digest(entries) for entries in per_rank]
+    if len(set(digests)) == 1:
+        return None
+    agreeing, differing, index, rank, expected, found = _first_difference(per_rank, digests)
+    expected_list, found_list = per_rank[agreeing[0]], per_rank[rank]
     shown = ", ".join(f"rank {r} {d[:12]}" for r, d in enumerate(digests))
     message = (
         f"ranks disagree on the collective schedule: rank{'s' if len(differing) > 1 else ''} "
@@ -453,21 +464,7 @@ def _types(op) -> str:
 
 
 def _structure_mismatch(every: list[list[str]], digests: list[str], group) -> StructureMismatch:
-    counts = Counter(digests)
-    reference = max(counts, key=lambda d: (counts[d], -digests.index(d)))
-    agreeing = [r for r, d in enumerate(digests) if d == reference]
-    differing = [r for r, d in enumerate(digests) if d != reference]
-    expected_lines = every[agreeing[0]]
-
-    def first_difference(lines) -> int:
-        for i, (a, b) in enumerate(zip(expected_lines, lines)):
-            if a != b:
-                return i
-        return min(len(expected_lines), len(lines))
-
-    index, rank = min((first_difference(every[r]), r) for r in differing)
-    expected = expected_lines[index] if index < len(expected_lines) else None
-    found = every[rank][index] if index < len(every[rank]) else None
+    agreeing, differing, index, rank, expected, found = _first_difference(every, digests)
     if expected is None and found is None:  # equal text: a field it does not show, or another fxsched
         return StructureMismatch(
             f"ranks' programs differ (digests {sorted(set(digests))}) in nothing their text shows: do all ranks "
