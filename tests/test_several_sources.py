@@ -269,6 +269,19 @@ def test_broadcast_tensors_of_one_tensor_twice_and_python_varargs():
     assert_every_legal_order_computes_the_same(gm, [torch.randn(3, 1), torch.randn(1, 3)])
 
 
+def _custom_views_then_writes(views, mode: str) -> fx.GraphModule:
+    """make_fx of a custom op's views of x and y (`views(x, y)`): the second read, y written, a
+    write through the first (a view of x), then both read again."""
+    def f(x, y):
+        out = views(x, y)
+        before = out[1] * 3
+        y.add_(1)
+        out[0].mul_(2)  # a write through the view of x
+        return before, out[1] * 5, x * 7, torch.sin(torch.ones(3))
+
+    return make_fx(f, tracing_mode=mode)(torch.randn(4), torch.randn(4))
+
+
 @pytest.mark.parametrize("mode", ["real", "fake"])
 def test_each_view_of_a_custom_op_with_an_alias_set_per_result_views_its_own_argument(mode):
     """`(Tensor(a) x, Tensor(b) y) -> (Tensor(a), Tensor(b))`: the first result views x alone, so
@@ -280,14 +293,7 @@ def test_each_view_of_a_custom_op_with_an_alias_set_per_result_views_its_own_arg
 
     from test_fronts_attack3 import _ops
 
-    def f(x, y):
-        out = _ops.two_views(x, y)
-        before = out[1] * 3
-        y.add_(1)
-        out[0].mul_(2)  # a write through the view of x
-        return before, out[1] * 5, x * 7, torch.sin(torch.ones(3))
-
-    gm = make_fx(f, tracing_mode=mode)(torch.randn(4), torch.randn(4))
+    gm = _custom_views_then_writes(_ops.two_views, mode)
     program = lower(gm)
     assert [o.alias for o in program.ops() if getattr(o, "target", None) == "_operator.getitem"] == ["x_1", "y_1"]
     write_y, write_x = (o.name for o in program.ops() if o.writes)
@@ -418,14 +424,7 @@ def test_each_element_of_a_list_view_custom_op_views_the_source_its_val_shares(m
 
     from test_fronts_attack3 import _ops
 
-    def f(x, y):
-        out = _ops.list_views([x, y])
-        before = out[1] * 3
-        y.add_(1)
-        out[0].mul_(2)  # a write through the view of x
-        return before, out[1] * 5, x * 7, torch.sin(torch.ones(3))
-
-    gm = make_fx(f, tracing_mode=mode)(torch.randn(4), torch.randn(4))
+    gm = _custom_views_then_writes(lambda x, y: _ops.list_views([x, y]), mode)
     program = lower(gm)
     aliases = [o.alias for o in program.ops() if getattr(o, "target", None) == "_operator.getitem"]
     assert aliases == (["x_1", "y_1"] if mode == "fake" else [None, None])
