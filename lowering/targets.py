@@ -222,6 +222,13 @@ def _python_view(name: str) -> tuple[bool, bool]:
 #: sets a given state and puts the global one back, so it draws from no shared state and is not
 #: listed); `graphsafe_run_with_rng_state` runs its op on a generator passed in, advancing it.
 RNG_DRAWING_HOPS = frozenset({"run_and_save_rng_state", "graphsafe_run_with_rng_state"})
+#: Ops that draw from a generator though no `nondeterministic_seeded` tag says so: Inductor's
+#: `inductor_random` / `inductor_randint` (its post-grad graphs' dropouts and `rand_like`s) take a
+#: seed only Inductor's generated code reads; run as FX, or as a fallback kernel, they call
+#: `torch.rand` / `torch.randint` on the global generator. `inductor_reserve_rng_state` advances
+#: the generator it is given.
+UNDECLARED_RANDOM = frozenset({"prims::inductor_random", "prims::inductor_randint",
+                               "inductor_prims::inductor_reserve_rng_state"})
 
 
 def _subgraphs(gm: fx.GraphModule, node: fx.Node) -> list[fx.GraphModule]:
@@ -447,7 +454,8 @@ def _classify(op: str, target) -> _Target:
                                                 or target is operator.getitem)),
         packet=call and isinstance(target, torch._ops.OpOverloadPacket),
         cast=schema is not None and schema.name in CAST_OPS,
-        random=(torch.Tag.nondeterministic_seeded in target.tags if isinstance(target, torch._ops.OpOverload)
+        random=(torch.Tag.nondeterministic_seeded in target.tags or schema.name in UNDECLARED_RANDOM
+                if isinstance(target, torch._ops.OpOverload)
                 else isinstance(target, torch._ops.HigherOrderOperator) and target.name() in RNG_DRAWING_HOPS
                 or schema is None and (op == "call_method" or (call and module.split(".")[0] == "torch"))
                 and _python_random(short)),
