@@ -383,3 +383,177 @@ def test_fsdp_steps_with_the_optimizer_in_the_graph_in_random_orders_and_pipelin
     results = run_ranks(_run_orders, 2, args=(functools.partial(_train_build, config), ("dp",), orders, PIPELINES,
                                               functools.partial(_train_feeds, config)), timeout=1200)
     _check(results, orders, PIPELINES)
+
+
+def _fsdp1_mixed_precision_step(w1, w2, b1, b2, x, m1, m2, mark):
+    """FSDP1-style mixed precision by hand: persistent bf16 shard buffers written by `copy_` from the
+    fp32 shards before each gather (forward, and again before the backward re-gather), bf16
+    gradients reduce-scattered and cast to fp32, momentum SGD writing the fp32 shards and the
+    momentum in place. `mark.add_(0)`: where the backward starts."""
+    c10d = torch.ops._c10d_functional
+
+    def gather(buffer, shard, shape):
+        buffer.copy_(shard)
+        return c10d.wait_tensor(c10d.all_gather_into_tensor(buffer, 2, "dp")).view(shape)
+
+    first = gather(b1, w1, (16, 8))
+    h = torch.relu(x @ first.t())
+    y = h @ gather(b2, w2, (4, 16)).t()
+    loss = y.float().square().sum()
+    mark.add_(0)
+    dy = 2 * y
+    dh = (dy @ gather(b2, w2, (4, 16))) * (h > 0)
+    grads = [dy.t() @ h, dh.t() @ x]
+    out = [loss]
+    for shard, momentum, grad in zip((w2, w1), (m2, m1), grads):
+        g = c10d.wait_tensor(c10d.reduce_scatter_tensor(grad.reshape(-1), "sum", 2, "dp")).float() / 2
+        momentum.mul_(0.9).add_(g)
+        shard.add_(momentum, alpha=-0.01)
+        out.append(g)
+    return tuple(out)
+
+
+def _fsdp1_build(rank, world_size):
+    import torch.distributed._functional_collectives  # noqa: F401
+
+    from fxsched.lowering.structural import tag_fsdp_collectives
+
+    gm = make_fx(_fsdp1_mixed_precision_step, tracing_mode="fake")(*_fsdp1_feeds(0))
+    backward = False
+    for node in gm.graph.nodes:
+        node.meta["autograd_backward"] = backward
+        backward = backward or (node.target is aten.add_.Tensor and node.args[0].name.startswith("mark"))
+    tag_fsdp_collectives(gm)
+    return gm
+
+
+def _fsdp1_feeds(rank):
+    gen = torch.Generator().manual_seed(rank)
+    return [torch.randn(64, generator=gen), torch.randn(32, generator=gen), torch.zeros(64, dtype=torch.bfloat16),
+            torch.zeros(32, dtype=torch.bfloat16), torch.randn(3, 8, generator=gen).bfloat16(),
+            torch.randn(64, generator=gen), torch.randn(32, generator=gen), torch.zeros(())]
+
+
+@pytest.mark.multirank
+def test_fsdp1_style_mixed_precision_with_shard_buffers_written_before_each_gather_is_bitwise_on_two_ranks():
+    """Persistent bf16 shard buffers that `copy_` refreshes before each gather (FSDP1's mixed
+    precision), and an in-place momentum update of the fp32 shards at the end: 10 random legal
+    orders and every pipeline compute the step bitwise on 2 gloo ranks, none hangs (nothing found:
+    this pins it; 20 orders were tried). The structural stage does not take these for FSDP gathers
+    (each gathers a `copy_`'s result, not a graph input): they keep their place in the collective
+    order."""
+    from fxsched.runtime import run_ranks
+
+    from test_fronts_attack4 import _check, _run_orders
+
+    orders = _random_orders(lower(_fsdp1_build(0, 2)), 10, 0)
+    results = run_ranks(_run_orders, 2, args=(_fsdp1_build, ("dp",), orders, PIPELINES, _fsdp1_feeds), timeout=1200)
+    _check(results, orders, PIPELINES)
+
+
+# --------------------------------------------------------------------------- Inductor's buckets, checkpointing, while_loop
+
+
+def _inductor_bucket_worker(rank, world_size, mode, count):
+    import fxsched
+    from fxsched.integrations.structural import tag_fsdp_collectives
+    from fxsched.ir.program import Schedule
+    from fxsched.raising import raise_program
+
+    from test_coalesced import _inputs
+    from test_inductor_buckets import _bucketed
+
+    torch.set_num_threads(1)
+    _, bucketed, model = _bucketed(mode)
+    tag_fsdp_collectives(bucketed)
+    program = lower(bucketed)
+    modules = [bucketed]
+    for order in _random_orders(program, count, 0):
+        program.schedule = Schedule(order)
+        modules.append(raise_program(program))
+    modules += [fxsched.schedule(bucketed, p, cost_model=model).graph_module for p in PIPELINES]
+    inputs = [t.detach() for t in _inputs(rank)] + [torch.tensor(1.0)]
+    runs = []
+    for module in modules:
+        with torch.no_grad():
+            runs.append([t for t in module(*[t.clone() for t in inputs]) if t is not None])
+    return runs
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("mode", [None, "coalesced"], ids=["default", "coalesced"])
+def test_inductors_own_buckets_in_random_legal_orders_and_every_pipeline_are_bitwise_on_two_ranks(mode):
+    """After Inductor's FSDP pre-bucketing (`_pre_bucket_all_gather` packing the shards into a fresh
+    buffer, an `all_gather_into_tensor_out` into it, its split; the reduce-scatters packed, or
+    coalesced): 10 random legal orders and every pipeline compute Inductor's numbers bitwise on 2
+    gloo ranks (tests/test_inductor_buckets.py ran `default` only; nothing found: this pins it)."""
+    from fxsched.runtime import run_ranks
+
+    results = run_ranks(_inductor_bucket_worker, 2, args=(mode, 10), timeout=900)
+    for rank, runs in enumerate(results):
+        for k, got in enumerate(runs[1:]):
+            assert len(got) == len(runs[0]) and all(map(torch.equal, runs[0], got)), f"rank {rank}: run {k} differs"
+
+
+def test_make_fx_of_checkpointed_blocks_with_dropout_keeps_its_draws_in_order():
+    """make_fx (real mode) of two `torch.utils.checkpoint` blocks with a dropout and a `rand_like`
+    each, forward and `autograd.grad`: the backward recomputes each block, its dropout drawing
+    again (`bernoulli_`; the trace keeps no RNG state restore, so it draws new numbers, as the
+    traced graph does). Random legal orders compute the traced graph's numbers (nothing found)."""
+    from torch.utils.checkpoint import checkpoint
+
+    from test_fronts_attack2 import assert_random_legal_orders_compute_the_same
+
+    torch.manual_seed(0)
+    blocks = nn.ModuleList([_CheckpointedBlock(), _CheckpointedBlock()])
+    params = list(blocks.parameters())
+
+    def step(x, *ps):
+        h = x
+        for block in blocks:
+            h = checkpoint(block, h, use_reentrant=False)
+        loss = h.square().sum()
+        return (loss, *torch.autograd.grad(loss, [x, *ps]))
+
+    gm = make_fx(step)(torch.randn(4, 8, requires_grad=True), *params)
+    assert sum(n.target is aten.bernoulli_.float for n in gm.graph.nodes) == 4  # two drawn, two redrawn
+    assert_random_legal_orders_compute_the_same(gm, [torch.randn(4, 8), *[p.detach() for p in params]], count=10)
+
+
+def _subgraph(build, inputs: int) -> fx.GraphModule:
+    g = fx.Graph()
+    g.output(build(g, *[g.placeholder(f"p{i}") for i in range(inputs)]))
+    return fx.GraphModule(nn.Module(), g)
+
+
+def test_a_while_loop_whose_body_returns_an_input_may_alias_every_operand():
+    """A hand-built `while_loop` (dynamo and make_fx refuse a body returning an input) whose body
+    hands back a carried input, an additional input, or a view of one: after an iteration the
+    result is that tensor. Its operands come as two tuples, so lowering cannot tell which operand an
+    input is: the result `may_alias` every one (imprecise, safe), and random legal orders with writes
+    of each operand and through the result compute the traced numbers."""
+    import operator
+
+    from test_fronts_attack2 import assert_random_legal_orders_compute_the_same
+
+    condition = _subgraph(lambda g, i, y, w: g.call_function(aten.lt.Scalar, (i, 2)), 3)
+    for returned in (lambda g, y, w: y, lambda g, y, w: w, lambda g, y, w: g.call_function(aten.view.default, (w, [4]))):
+        root = nn.Module()
+        root.cond = condition
+        root.body = _subgraph(lambda g, i, y, w: (g.call_function(aten.add.Tensor, (i, 1)), returned(g, y, w)), 3)
+        g = fx.Graph()
+        x, w, i0 = g.placeholder("x"), g.placeholder("w"), g.placeholder("i0")
+        loop = g.call_function(torch.ops.higher_order.while_loop, (g.get_attr("cond"), g.get_attr("body"), (i0, x), (w,)))
+        r = g.call_function(operator.getitem, (loop, 1))
+        reads = [g.call_function(aten.mul.Tensor, (r, 3))]
+        g.call_function(aten.add_.Tensor, (x, 1))
+        reads.append(g.call_function(aten.mul.Tensor, (r, 5)))
+        g.call_function(aten.mul_.Tensor, (w, 2))
+        reads.append(g.call_function(aten.sub.Tensor, (r, 1)))
+        g.call_function(aten.add_.Tensor, (r, 7))
+        reads += [g.call_function(aten.mul.Tensor, (x, 1)), g.call_function(aten.mul.Tensor, (w, 1))]
+        g.output(tuple(reads))
+        gm = fx.GraphModule(root, g)
+        (op,) = [op for op in lower(gm).ops() if "while_loop" in op.name]
+        assert set(op.may_alias) == {"x", "w", "i0"}
+        assert_random_legal_orders_compute_the_same(gm, [torch.randn(4), torch.randn(4), torch.tensor(0)], count=30)
