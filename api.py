@@ -147,12 +147,45 @@ def schedule(gm: fx.GraphModule, pipeline: str = DEFAULT_PIPELINE, *, verify_eac
     `"world"`, or a registered group's name. Every rank of it must call `schedule` on its graph;
     the lowered programs are checked to be equal but for sizes (`StructureMismatch` names the
     first op that differs) and each size is set to its largest over the ranks before the passes
-    run (`runtime.agreement.agree_sizes`), so every rank gets one order. None (the default):
-    this graph alone, as every rank that traced the same graph gets anyway.
+    run (`runtime.agreement.agree_sizes`), so every rank gets one order; the ranks also check that
+    they were given one pipeline and cost model (`PlanMismatch`). Where one rank fails (its
+    options, its lowering, a pass), every rank raises (the others `PeerFailure`, naming it and
+    why): none waits for it (`runtime.agreement.Agreement`). None (the default): this graph
+    alone, as every rank that traced the same graph gets anyway.
     """
-    pipeline = with_cap(pipeline, max_peak_gb, max_peak_increase_gb)
-    return _schedule(gm, pipeline, _raise_tagged, verify_each=verify_each, timing=timing,
-                     instruments=instruments, cost_model=cost_model, verify_lowered=verify_lowered, group=group)
+    with _agreement(group) as agreement:
+        pipeline = with_cap(pipeline, max_peak_gb, max_peak_increase_gb)
+        return _schedule(gm, pipeline, _raise_tagged, verify_each=verify_each, timing=timing,
+                         instruments=instruments, cost_model=cost_model, verify_lowered=verify_lowered,
+                         agreement=agreement)
+
+
+class _Alone:
+    """The agreement of a schedule without a group (`_agreement(None)`): nothing to exchange."""
+
+    def __enter__(self) -> _Alone:
+        return self
+
+    def __exit__(self, *exc) -> bool:
+        return False
+
+    def agree(self, program: Program | None, **plan: Any) -> None:
+        return None
+
+    def settle(self) -> None:
+        return None
+
+
+def _agreement(group: Any):
+    """What a schedule's ranks agree through: `runtime.agreement.Agreement` over `group`
+    (torch.distributed is imported only then), or `_Alone`. Open it (`with`) around all of a
+    rank's work on the schedule, its options read first: a rank that fails inside it tells the
+    others, so none waits for it."""
+    if group is None:
+        return _Alone()
+    from .runtime.agreement import Agreement
+
+    return Agreement(group)
 
 
 def _raise_tagged(program: Program, earlier: frozenset[str]) -> fx.GraphModule:
@@ -170,7 +203,7 @@ def _verify_lowered_default() -> bool:
 
 def _schedule(gm: fx.GraphModule, pipeline: str, raising, *, verify_each: bool = True, timing: bool = False,
               instruments: list[Instrument] | None = None, cost_model: Any = None,
-              verify_lowered: bool | None = None, group: Any = None) -> ScheduleResult:
+              verify_lowered: bool | None = None, agreement: Any = None) -> ScheduleResult:
     """`schedule`, raising with `raising(program, earlier)` (a fresh module, or `gm` itself
     reordered in place; `earlier` as in ScheduleResult).
 
@@ -181,9 +214,14 @@ def _schedule(gm: fx.GraphModule, pipeline: str, raising, *, verify_each: bool =
     assigns phases forward then backward; derive_effects adds every edge from an earlier op to a
     later one of that order (the output last, inputs reading nothing: lowering refuses a graph
     otherwise) and refuses a use after free. Every pass is still verified after it runs.
-    `group` (see `schedule`): the ranks' programs are given one set of sizes before the passes
-    (only sizes change: what the verifier checks does not read them).
+    `agreement` (`_agreement(group)`, opened by the caller around its own work too; None: no
+    group): the ranks' programs are given one set of sizes before the passes (only sizes change:
+    what the verifier checks does not read them), and the ranks say they all ran the passes
+    (`settle`) before any raises the program, so a rank whose pass failed leaves every rank with
+    an error, each with its graph untouched.
     """
+    if agreement is None:
+        agreement = _Alone()
     if verify_lowered is None:
         verify_lowered = _verify_lowered_default()
     manager = PassManager(pipeline, verify_each=verify_each, instruments=list(instruments or []),
@@ -194,12 +232,10 @@ def _schedule(gm: fx.GraphModule, pipeline: str, raising, *, verify_each: bool =
     ctx = PassContext(cost_model=cost_model)
     with gc_paused():  # one pause for all stages: a full collection between them scans the whole graph
         program = _lint_and_lower(gm)
-        if group is not None:
-            from .runtime.agreement import agree_sizes  # torch.distributed only when asked
-
-            agree_sizes(program, group)
+        agreement.agree(program, pipeline=str(manager), cost_model=cost_model)
         earlier = frozenset(op.name for op in _launches(program, ordered=False) if op.prefetched)
         result = manager.run(program, ctx)
+        agreement.settle()
         raised = raising(program, earlier)
     return ScheduleResult(raised, program, str(manager), result, timer, earlier, ctx)
 
@@ -229,18 +265,22 @@ def overlap_param_gather(graph_module: fx.GraphModule, config, *, group: Any = N
     """Drop-in for HyperParallel's pass: schedules `graph_module` in place and returns it.
 
     `group`: as for `schedule` (the reference pipeline reads no costs, only the gathers' sizes;
-    with a group, the ranks' graphs are also checked to be equal but for sizes).
+    with a group, the ranks' graphs are also checked to be equal but for sizes, and their configs
+    to be one: a rank whose config is disabled still meets the others, and where some ranks have it
+    disabled and some not, each raises `PlanMismatch`).
 
     Sets `meta["fsdp_prefetch"] = {"forward", "backward", "sunk"}` on the module and
     `meta["fsdp_prefetch_anchor"]` on each moved gather; logs one line.
     """
-    enabled, budget, forward, backward = read_config(config)
-    if not enabled:
-        return graph_module
-    # the module's own nodes are relinked into the new order (nothing is copied; meta, names and
-    # whatever callers hold of them stay valid), then its code is generated once
-    done = _schedule(graph_module, reference_pipeline(budget, forward, backward),
-                     lambda program, earlier: raise_in_place(program), group=group)
+    with _agreement(group) as agreement:  # a bad config on one rank leaves every rank with an error
+        enabled, budget, forward, backward = read_config(config)
+        if not enabled:
+            agreement.agree(None, pipeline="none: the drop-in is disabled")
+            return graph_module
+        # the module's own nodes are relinked into the new order (nothing is copied; meta, names and
+        # whatever callers hold of them stay valid), then its code is generated once
+        done = _schedule(graph_module, reference_pipeline(budget, forward, backward),
+                         lambda program, earlier: raise_in_place(program), agreement=agreement)
     stats = done.result.stats()
     prefetch = next(v for k, v in stats.items() if k.startswith("prefetch"))
     sink = next(v for k, v in stats.items() if k.startswith("sink"))

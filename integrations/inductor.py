@@ -157,9 +157,21 @@ def schedule_graph_in_place(graph: fx.Graph, pipeline: str = DEFAULT_PIPELINE, *
     must schedule its graph here, in the same order).
     Returns a JSON-able record: the graph's phase and size, what the structural stage tagged and
     skipped, `fxsched.schedule`'s report, counts of moved gathers and sunk nodes, and seconds.
-    On an error the graph is left as it was (structural tags removed) and the error propagates.
+    On an error the graph is left as it was (structural tags removed) and the error propagates;
+    with a `group`, where one rank fails (before the ranks agree or in a pass) every rank does, with
+    its graph left as it was (`fxsched.schedule`'s `group`), so with `on_error="warn"` all ranks
+    leave their graphs unscheduled alike.
     """
-    from ..api import _schedule  # the package face composes lowering → passes → raising
+    from ..api import _agreement, _schedule  # the package face composes lowering → passes → raising
+
+    with _agreement(group) as agreement:  # every rank's part in one schedule, its first step included
+        return _schedule_in_place(graph, pipeline, structural, phase, verify_each, cost_model, agreement)
+
+
+def _schedule_in_place(graph: fx.Graph, pipeline: str, structural: bool, phase: str | None, verify_each: bool,
+                       cost_model: Any, agreement: Any) -> dict[str, Any]:
+    """`schedule_graph_in_place` within the `agreement` of its group's ranks."""
+    from ..api import _schedule
 
     started = time.perf_counter()
     owner = graph.owning_module
@@ -169,7 +181,7 @@ def schedule_graph_in_place(graph: fx.Graph, pipeline: str = DEFAULT_PIPELINE, *
     try:
         with _uniform_phase(graph, phase):
             done = _schedule(owner, pipeline, _relink_or_copy, verify_each=verify_each, cost_model=cost_model,
-                             group=group)
+                             agreement=agreement)
         in_place = done.graph_module is owner
         if not in_place:
             new_graph = done.graph_module.graph
@@ -228,8 +240,10 @@ class FxschedInductorPass(CustomGraphPass):
     collective in the pass, so every rank of the group must run the pass on every graph: `uuid()`
     is then None, which turns Inductor's FX graph cache off (a cache hit on one rank and a miss on
     another would leave the other waiting in the pass, the hang that keeps Inductor's own
-    `spmd_check` off by default). Every graph's record (see `schedule_graph_in_place`) is
-    appended to `self.runs` and to `RECORDS`.
+    `spmd_check` off by default). Where the pass fails on one rank of the group (its lowering, a
+    pass), it fails on every rank (the others with `runtime.agreement.PeerFailure`), so with
+    `on_error="warn"` every rank leaves that graph unscheduled: none runs another collective order.
+    Every graph's record (see `schedule_graph_in_place`) is appended to `self.runs` and to `RECORDS`.
     """
 
     def __init__(self, pipeline: str = DEFAULT_PIPELINE, *, cost_model: Any = None, structural: bool = True,

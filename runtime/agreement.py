@@ -31,8 +31,9 @@ from ..ir.opclass import COLLECTIVE_NAMESPACES
 from ..lowering.fx import value_types
 from ..lowering.targets import SYNCHRONOUS_COLLECTIVES, collective_overload, target_name
 
-__all__ = ["ScheduleMismatch", "StructureMismatch", "agree_sizes", "check_ranks_agree", "collective_entries",
-           "compare_entries", "describe", "fingerprint", "in_mesh_terms", "process_group"]
+__all__ = ["Agreement", "PeerFailure", "PlanMismatch", "ScheduleMismatch", "StructureMismatch", "agree_sizes",
+           "check_ranks_agree", "collective_entries", "compare_entries", "cost_key", "describe", "fingerprint",
+           "in_mesh_terms", "process_group"]
 
 _VERSION = "fxsched-collectives-v2"
 _NAMESPACES = (*COLLECTIVE_NAMESPACES, "c10d")  # ir's, and the c10d ops a make_fx of torch.distributed keeps
@@ -414,49 +415,213 @@ def agree_sizes(program, group, *, device: torch.device | str | None = None) -> 
 
     Every rank of `group` must call it (it is a collective: two small all-gathers and an
     all-reduce of one int64 per extent; the programs' text only when they differ). `group` as
-    `process_group` takes it; None or a group of one rank: nothing to do. Returns what it did:
+    `process_group` takes it; None or a group of one rank: nothing to do. A rank whose program
+    cannot be read (its digest or sizes raise) still joins the first all-gather, with its error,
+    and every other rank raises `PeerFailure` (`Agreement`). Returns what it did:
     `ranks`, `sizes` (how many it exchanged), `differ` (the ops whose sizes differ between the
     ranks, alike on every rank; a note of the program says how many) and `raised` (those this
     rank's program took larger sizes for)."""
-    pg = process_group(group)
-    if pg is None:
-        return {"ranks": 1, "sizes": 0, "differ": [], "raised": []}
-    from ..ir.sizes import op_sizes, sizes, structure, structure_digest, with_sizes
+    with Agreement(group, device=device, settles=False) as agreement:
+        return agreement.agree(program)
 
-    device = _device(pg, device)
-    digest = structure_digest(program)
-    digests = [d.decode() for d in _all_gather_bytes(digest.encode(), pg, device)]
-    if any(d != digest for d in digests):  # the programs' text, to say where
-        text = "\n".join(structure(program)).encode()
-        every = [b.decode().split("\n") for b in _all_gather_bytes(text, pg, device)]
-        raise _structure_mismatch(every, digests, pg)
-    mine = sizes(program)
-    # the largest and (negated) the smallest of each size over the ranks, in one all-reduce: which
-    # ops differ between the ranks is then known alike on every rank, so every rank raises alike
-    both = torch.tensor(mine + [-v for v in mine], dtype=torch.int64, device=device)
-    if mine:
-        dist.all_reduce(both, op=dist.ReduceOp.MAX, group=pg)
-    both = both.cpu().tolist()
-    largest, smallest = both[:len(mine)], [-v for v in both[len(mine):]]
-    differ, at = [], 0
-    for op in program.ops():
-        n = len(op_sizes(op))
-        if largest[at:at + n] != smallest[at:at + n]:
-            differ.append(op.name)
-        at += n
-    raised = with_sizes(program, largest)
-    world = dist.get_world_size(pg)
-    for name in differ:
-        op = program.op(name)
-        if _ir_collective(op) and not _rank_sized(op):
-            raise RuntimeError(
-                f"%{name} ({op.target}, group {op.group!r}) has other sizes on the ranks of the group (up to "
-                f"{_types(op)}): they cannot run it together; give every rank of the group the same collectives")
-    if differ:
-        program.notes.append(f"sizes agreed over the {world} ranks of the group: {len(differ)} ops differ in size "
-                             f"between them (first %{differ[0]}); each takes its largest on every rank, so every "
-                             "rank schedules one program")
-    return {"ranks": world, "sizes": len(mine), "differ": differ, "raised": raised}
+
+# ---- failing together -------------------------------------------------------------------------
+
+class PeerFailure(RuntimeError):
+    """Another rank of the group failed while the ranks were agreeing on one schedule
+    (`Agreement`): raised on the ranks that did not fail, so that none waits for the failed one.
+    `ranks`: the ranks (in the group) that failed, `reasons`: each one's error, in a line. The
+    failing ranks raise their own errors."""
+
+    def __init__(self, message: str, *, ranks: list[int], reasons: list[str]):
+        super().__init__(message)
+        self.ranks, self.reasons = ranks, reasons
+
+
+class PlanMismatch(RuntimeError):
+    """The ranks of a group were asked to schedule with other pipelines or cost models (or the
+    drop-in was enabled on some only): their deterministic passes would order the collectives
+    otherwise. Raised on every rank. `ranks`: the ranks that differ from the majority, `plans`:
+    every rank's (pipeline text and cost model)."""
+
+    def __init__(self, message: str, *, ranks: list[int], plans: list[str]):
+        super().__init__(message)
+        self.ranks, self.plans = ranks, plans
+
+
+_UNRESOLVED = object()
+#: how much of a failed rank's error the others are told (its type and first line)
+_REASON_CHARS = 400
+
+
+def _reason(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return f"{type(exc).__name__}: {text.splitlines()[0] if text else ''}"[:_REASON_CHARS]
+
+
+def cost_key(cost_model: Any) -> str:
+    """A cost model as the ranks compare it: a profile name (or None) by name, a {target: ms}
+    table by a digest of its items, anything else (a CostModel, a function) by its kind only: a
+    function that reads the rank is not seen (README: give every rank the same model)."""
+    if cost_model is None or isinstance(cost_model, (str, int, float)):
+        return repr(cost_model)
+    if isinstance(cost_model, dict):
+        try:
+            items = json.dumps(sorted((str(k), v) for k, v in cost_model.items()))
+        except TypeError:
+            pass
+        else:
+            return "table " + hashlib.sha256(items.encode()).hexdigest()[:16]
+    return f"a {type(cost_model).__qualname__}"
+
+
+class Agreement:
+    """One schedule's agreement among the ranks of `group`, failures included.
+
+    A context manager around all of one rank's work on one schedule (its options read, its graph
+    lowered, the passes run), with two rendezvous inside, each a collective of every rank:
+    `agree(program, pipeline=, cost_model=)` — every rank's status (ok, or failed with its error
+    in a line), its program's structure digest and its plan (pipeline text and cost model) in one
+    all-gather, then its sizes in one all-reduce — and `settle()` after the passes: every rank's
+    status again. A rank that raises in the block before a rendezvous it owes joins that
+    rendezvous with its error as it leaves the block, and then raises its own: so where one rank
+    fails (a lowering error, a bad option, a pass) every rank of the group leaves with an error —
+    the others with `PeerFailure`, naming the failed ranks and why — and none waits in a
+    collective the failed rank never issues (or, worse, pairs it with that rank's next one).
+    Errors that every rank raises from what all ranks sent (`PlanMismatch`, `StructureMismatch`,
+    a collective of other sizes on the ranks, `PeerFailure`) owe nothing more.
+
+    After `settle()` each rank raises its program (deterministic in the program the ranks agreed
+    on: its failures, an fxsched bug, are alike on every rank). A rank that dies (a crash, a kill)
+    joins nothing: the others wait for the group's timeout. `group` as `process_group` takes it
+    (None, or one rank: nothing is exchanged). `settles=False` (`agree_sizes` alone): no settle
+    follows `agree`."""
+
+    def __init__(self, group, *, device: torch.device | str | None = None, settles: bool = True):
+        self.group, self.device, self.settles = group, device, settles
+        self._pg = _UNRESOLVED
+        self._owed: str | None = "agree"  # the rendezvous this rank must still join: "agree", "settle" or None
+
+    def __enter__(self) -> Agreement:
+        return self
+
+    def __exit__(self, kind, exc, tb) -> bool:
+        if isinstance(exc, Exception) and self._owed is not None:
+            self._owed = None
+            try:
+                statuses = self._rendezvous({"ok": False, "reason": _reason(exc)})
+            except Exception as failed:  # the group itself is unusable here: this rank's error is what matters
+                exc.add_note(f"fxsched could not tell the other ranks of the group ({_reason(failed)})")
+            else:
+                failed = [r for r, s in enumerate(statuses) if not s["ok"]]
+                if len(failed) > 1:  # (so there is a group)
+                    others = [r for r in failed if r != dist.get_rank(self._group())]
+                    exc.add_note(f"ranks {others} of the group failed too: "
+                                 + "; ".join(f"rank {r}: {statuses[r]['reason']}" for r in others))
+        return False
+
+    def _group(self):
+        if self._pg is _UNRESOLVED:
+            self._pg = process_group(self.group)
+        return self._pg
+
+    def _rendezvous(self, message: dict[str, Any]) -> list[dict[str, Any]]:
+        """Every rank's `message` (a status), in group rank order; one per rank where there is no group."""
+        pg = self._group()
+        if pg is None:
+            return [message]
+        self._owed = None  # a collective that fails is not joined again
+        data = json.dumps(message, sort_keys=True).encode()
+        return [json.loads(b) for b in _all_gather_bytes(data, pg, _device(pg, self.device))]
+
+    def _raise_failures(self, statuses: list[dict[str, Any]]) -> None:
+        failed = [r for r, s in enumerate(statuses) if not s["ok"]]
+        if not failed:
+            return
+        reasons = [statuses[r]["reason"] for r in failed]
+        name = getattr(self._group(), "group_name", self.group)
+        raise PeerFailure(
+            f"rank{'s' if len(failed) > 1 else ''} {', '.join(map(str, failed))} of group {name!r} failed while the "
+            f"ranks were agreeing on one schedule, so this rank stops too (none waits for a rank that left):\n"
+            + "\n".join(f"  rank {r}: {reason}" for r, reason in zip(failed, reasons)),
+            ranks=failed, reasons=reasons)
+
+    def agree(self, program, *, pipeline: str | None = None, cost_model: Any = None) -> dict[str, Any]:
+        """The ranks' statuses and plans, then `agree_sizes`' work on `program` (returns what it
+        returns). `program` None: this rank schedules nothing (the drop-in disabled), with
+        `pipeline` saying so; every rank must then say the same."""
+        from ..ir.sizes import op_sizes, sizes, structure, structure_digest, with_sizes
+
+        pg = self._group()
+        if pg is None:
+            self._owed = None
+            return {"ranks": 1, "sizes": 0, "differ": [], "raised": []}
+        device = _device(pg, self.device)
+        # everything that can fail on one rank alone comes before the first collective
+        plan = f"pipeline {pipeline!r}, cost model {cost_key(cost_model)}"
+        digest = None if program is None else structure_digest(program)
+        mine = [] if program is None else sizes(program)
+        # the largest and (negated) the smallest of each size over the ranks, in one all-reduce: which
+        # ops differ between the ranks is then known alike on every rank, so every rank raises alike
+        both = torch.tensor(mine + [-v for v in mine], dtype=torch.int64, device=device)
+        statuses = self._rendezvous({"ok": True, "digest": digest, "plan": plan})
+        self._raise_failures(statuses)
+        plans = [s["plan"] for s in statuses]
+        if any(p != plan for p in plans):
+            raise _plan_mismatch(plans, pg)
+        if program is None:
+            return {"ranks": len(statuses), "sizes": 0, "differ": [], "raised": []}
+        digests = [s["digest"] for s in statuses]
+        if any(d != digest for d in digests):  # the programs' text, to say where
+            try:
+                text = "\n".join(structure(program)).encode()
+            except Exception as exc:  # this rank still sends something: the others wait for it
+                text = f"(this rank's program could not be printed: {_reason(exc)})".encode()
+            every = [b.decode().split("\n") for b in _all_gather_bytes(text, pg, device)]
+            raise _structure_mismatch(every, digests, pg)
+        if mine:
+            dist.all_reduce(both, op=dist.ReduceOp.MAX, group=pg)
+        self._owed = "settle" if self.settles else None
+        both = both.cpu().tolist()
+        largest, smallest = both[:len(mine)], [-v for v in both[len(mine):]]
+        differ, at = [], 0
+        for op in program.ops():
+            n = len(op_sizes(op))
+            if largest[at:at + n] != smallest[at:at + n]:
+                differ.append(op.name)
+            at += n
+        raised = with_sizes(program, largest)
+        world = dist.get_world_size(pg)
+        for name in differ:
+            op = program.op(name)
+            if _ir_collective(op) and not _rank_sized(op):
+                self._owed = None  # every rank finds it in what all sent
+                raise RuntimeError(
+                    f"%{name} ({op.target}, group {op.group!r}) has other sizes on the ranks of the group (up to "
+                    f"{_types(op)}): they cannot run it together; give every rank of the group the same collectives")
+        if differ:
+            program.notes.append(f"sizes agreed over the {world} ranks of the group: {len(differ)} ops differ in size "
+                                 f"between them (first %{differ[0]}); each takes its largest on every rank, so every "
+                                 "rank schedules one program")
+        return {"ranks": world, "sizes": len(mine), "differ": differ, "raised": raised}
+
+    def settle(self) -> None:
+        """After the passes: every rank says whether it got this far; `PeerFailure` where one did not."""
+        if self._owed != "settle":
+            return
+        self._raise_failures(self._rendezvous({"ok": True}))
+
+
+def _plan_mismatch(plans: list[str], group) -> PlanMismatch:
+    counts = Counter(plans)
+    reference = max(counts, key=lambda p: (counts[p], -plans.index(p)))
+    differing = [r for r, p in enumerate(plans) if p != reference]
+    shown = "\n".join(f"  rank{'s' if counts[p] > 1 else ''} {', '.join(str(r) for r, q in enumerate(plans) if q == p)}: {p}"
+                      for p in dict.fromkeys(plans))
+    return PlanMismatch(
+        f"the ranks of group {getattr(group, 'group_name', group)!r} were asked to schedule with other pipelines or "
+        f"cost models, so their collectives would come in other orders:\n{shown}\n"
+        "  Give every rank of the group the same pipeline, options and cost model.", ranks=differing, plans=plans)
 
 
 def _types(op) -> str:
