@@ -75,7 +75,8 @@ def fxsched_pass(pipeline: str = DEFAULT_PIPELINE, *, cost_model: Any = None, na
     collectives with the fxsched `pipeline` (text or name) in place. `names` maps graph inputs to
     parameter FQNs (`param_names(traced_result)`), used as the gathers' `param_name`. `group`: the
     ranks whose schedules must agree where each traces its own sizes (`fxsched.schedule`'s `group`;
-    every rank of it runs the pass)."""
+    every rank of it runs the pass; where it fails on one rank, it fails on every rank, the others
+    with `runtime.agreement.PeerFailure`, none waiting for it)."""
     pipeline = str(PassManager(pipeline))  # a bad pipeline fails here, not mid-trace
     runs: list[dict[str, Any]] = []
 

@@ -11,6 +11,10 @@ pipeline configured per rank).
     done = fxsched.schedule(gm)
     fingerprint(done.graph_module)       # sha256 hex of the collective order
     check_ranks_agree(done.graph_module) # in every rank, before running it
+
+Where each rank traces its own sizes, `schedule(..., group=)` makes the ranks schedule one program
+(`agree_sizes`) inside an `Agreement`: the ranks' statuses travel with the exchange, so where one
+rank fails every rank of the group raises (`PeerFailure`) instead of waiting for it.
 """
 
 from __future__ import annotations
@@ -616,8 +620,8 @@ def _plan_mismatch(plans: list[str], group) -> PlanMismatch:
     counts = Counter(plans)
     reference = max(counts, key=lambda p: (counts[p], -plans.index(p)))
     differing = [r for r, p in enumerate(plans) if p != reference]
-    shown = "\n".join(f"  rank{'s' if counts[p] > 1 else ''} {', '.join(str(r) for r, q in enumerate(plans) if q == p)}: {p}"
-                      for p in dict.fromkeys(plans))
+    holders = {p: ", ".join(str(r) for r, q in enumerate(plans) if q == p) for p in plans}
+    shown = "\n".join(f"  rank{'s' if counts[p] > 1 else ''} {ranks}: {p}" for p, ranks in holders.items())
     return PlanMismatch(
         f"the ranks of group {getattr(group, 'group_name', group)!r} were asked to schedule with other pipelines or "
         f"cost models, so their collectives would come in other orders:\n{shown}\n"

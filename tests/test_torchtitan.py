@@ -141,6 +141,85 @@ def test_llama3_debug_model_scheduled_step_is_bitwise_equal_on_two_ranks():
     assert results[0]["plain"][0].item() != 0.0
 
 
+# --------------------------------------------------------------------------- group=: graph_trainer's path
+
+
+def _titan_group_worker(rank, world_size, layers):
+    """On one rank: llama3's step as traced and rematerialised (`plain`), then the pass pipeline
+    `register(..., group=)` puts in graph_trainer's registry, built as graph_trainer builds
+    it (`PASS_PIPELINE_REGISTRY[name](traced, config, parallel_dims=...)`, its default list stood in
+    for by the FSDP scheduling pass alone) and run by graph_trainer's `apply_graph_passes`: first
+    with rank 1's lowering failing (what each rank raised: the group is in use), then as it is: the
+    step's outputs (`scheduled`), the collectives' fingerprint `check_ranks_agree` returns and their list."""
+    import contextlib
+    from datetime import timedelta
+    from unittest import mock
+
+    import torch.distributed as dist
+
+    from torch.distributed.device_mesh import init_device_mesh
+    from titan import build_llama3, rematerialise, run_step, trace_step
+    from torchtitan.experiments.graph_trainer.passes import apply_graph_passes
+    from torchtitan.experiments.graph_trainer.registry import PASS_PIPELINE_REGISTRY
+
+    from fxsched.integrations.torchtitan import register
+    from fxsched.runtime.agreement import check_ranks_agree, collective_entries
+
+    torch.set_num_threads(1)
+    mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("fsdp",))
+    model, inputs = build_llama3(mesh, layers=layers)
+    traced = rematerialise(trace_step(model, inputs))
+    before = [n.name for n in traced.gm.graph.nodes]
+    plain = run_step(traced, model, inputs)
+    # the ranks' group, its collectives given up after 2 minutes (a rank left waiting fails the test sooner)
+    group = dist.new_group(list(range(world_size)), timeout=timedelta(seconds=120))
+    name = register("fxsched-group-test", "default", group=group)
+    passes = PASS_PIPELINE_REGISTRY[name](traced, None, parallel_dims=None,
+                                          base=lambda traced, config, parallel_dims=None: [
+                                              _named(FSDP_SCHEDULING_PASSES[0])])
+    fault = mock.patch("fxsched.api.lower_in_order", side_effect=RuntimeError("injected fault"))
+    try:
+        with fault if rank == 1 else contextlib.nullcontext():
+            apply_graph_passes(traced.gm, traced.example_inputs, passes)
+        failed = None
+    except RuntimeError as exc:
+        failed = (type(exc).__name__, str(exc))
+    kept = [n.name for n in traced.gm.graph.nodes] == before
+    traced.gm = apply_graph_passes(traced.gm, traced.example_inputs, passes)
+    after = [n.name for n in traced.gm.graph.nodes]
+    return {"plain": plain, "scheduled": run_step(traced, model, inputs), "failed": failed, "kept": kept,
+            "passes": [getattr(p, "__name__", None) for p in passes], "runs": len(passes[0].runs),
+            "reordered": before != after and sorted(before) == sorted(after),
+            "params": sum(1 for _ in model.parameters()),
+            "fingerprint": check_ranks_agree(traced.gm), "entries": collective_entries(traced.gm)}
+
+
+@needs_torchtitan
+@pytest.mark.multirank
+def test_graph_trainers_pipeline_with_a_group_agrees_across_ranks_and_is_bitwise_equal_on_two_ranks():
+    """torchtitan's graph trainer with `register(group=...)` (its registry builds the pass list,
+    its `apply_graph_passes` runs it) on llama3's debug model (1 block) on 2 gloo ranks: where rank 1
+    fails in the pass, rank 0 raises `PeerFailure` naming it (the group reaches the agreement) and
+    both keep their graphs; then both schedule, their collectives come in one order
+    (`check_ranks_agree`'s fingerprints equal), and each rank's step computes bitwise what the
+    unscheduled step does."""
+    from fxsched.runtime.agreement import compare_entries
+
+    results = run_ranks(_titan_group_worker, 2, args=(1,), timeout=600)
+    assert results[1]["failed"] == ("RuntimeError", "injected fault")
+    kind, message = results[0]["failed"]
+    assert kind == "PeerFailure" and "rank 1: RuntimeError: injected fault" in message, message
+    assert compare_entries([r["entries"] for r in results]) is None
+    assert results[0]["fingerprint"] == results[1]["fingerprint"]
+    for rank, r in enumerate(results):
+        assert r["kept"] and r["passes"] == ["fxsched_schedule_pass"] and r["runs"] == 1, rank
+        assert r["reordered"], rank
+        assert len(r["plain"]) == len(r["scheduled"]) == 1 + r["params"]  # the loss, a gradient per parameter
+        for a, b in zip(r["plain"], r["scheduled"], strict=True):
+            assert a.dtype == b.dtype and torch.equal(a, b), f"rank {rank}: the scheduled step differs"
+    assert not torch.equal(results[0]["plain"][0], results[1]["plain"][0])  # the ranks' data differ
+
+
 # --------------------------------------------------------------------------- torchtitan's buckets, then fxsched
 
 
