@@ -730,15 +730,19 @@ class _Lowering:
                 several = ()  # each getitem is the access of its own element's storages (`hop_alias`)
             if several and self.shared(node) is None:
                 may_alias = tuple(dict.fromkeys((*may_alias, *several)))
+        # a barrier's result still shares what its subgraph returns (Inductor's `control_deps`
+        # around a view or an in-place op of its input): nothing crosses the barrier, but reads of
+        # the result after it order with writes of that input after it only through the alias
+        barrier_alias = None if may_alias else (self.shared(node) or alias)
         if (unknown or not writes) and not random and self.impure(node):
             return Barrier.make(name, operands, phase, types, target=target, reason="side effect",
-                                heavy=info.heavy, attention=info.attention, may_alias=may_alias)
+                                heavy=info.heavy, attention=info.attention, alias=barrier_alias, may_alias=may_alias)
         if (unknown and isinstance(node.target, torch._ops.HigherOrderOperator)
                 and any(map(_graph_state, _subgraphs(self.gm, node)))):
             # its subgraph writes, and reads tensors of its own (make_fx's constant for a closed-over
             # buffer) that the graph may read too, no operand naming them: ordered against everything
             return Barrier.make(name, operands, phase, types, target=target, reason="module state",
-                                heavy=info.heavy, attention=info.attention)
+                                heavy=info.heavy, attention=info.attention, alias=barrier_alias, may_alias=may_alias)
         if kind == "call_module":
             module = self.gm.get_submodule(node.target)
             state = self.module_state(module)
