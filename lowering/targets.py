@@ -226,9 +226,14 @@ RNG_DRAWING_HOPS = frozenset({"run_and_save_rng_state", "graphsafe_run_with_rng_
 #: `inductor_random` / `inductor_randint` (its post-grad graphs' dropouts and `rand_like`s) take a
 #: seed only Inductor's generated code reads; run as FX, or as a fallback kernel, they call
 #: `torch.rand` / `torch.randint` on the global generator. `inductor_reserve_rng_state` advances
-#: the generator it is given.
+#: the generator it is given. torch-npu's fused attentions draw their dropout mask from the
+#: generator when keep_prob < 1 (returning its seed and offset for the backward to replay), untagged:
+#: npu_fusion_attention and _v2 until op-plugin tagged them (2026-03), _v3 and
+#: npu_fused_attention_score(_fwd) still (their backwards replay the seed they are given: not listed).
 UNDECLARED_RANDOM = frozenset({"prims::inductor_random", "prims::inductor_randint",
-                               "inductor_prims::inductor_reserve_rng_state"})
+                               "inductor_prims::inductor_reserve_rng_state"} | {f"npu::{name}" for name in (
+    "npu_fusion_attention", "npu_fusion_attention_v2", "npu_fusion_attention_v3", "npu_fused_attention_score",
+    "npu_fused_attention_score_fwd")})
 
 
 def _subgraphs(gm: fx.GraphModule, node: fx.Node) -> list[fx.GraphModule]:
