@@ -131,11 +131,21 @@ def fxsched_pass_pipeline(traced_result: Any, config: Any, *, parallel_dims: Any
                           group: Any = None) -> list[Callable]:
     """A graph_trainer pass pipeline: `base` (graph_trainer's `construct_default_graph_passes`
     when None) with its FSDP scheduling pass replaced by `fxsched_pass` (`keep_bucketing`: kept,
-    and `fxsched_pass` orders its buckets after it)."""
-    if base is None:
-        from torchtitan.experiments.graph_trainer.passes import construct_default_graph_passes as base
-    ours = fxsched_pass(pipeline, cost_model=cost_model, names=param_names(traced_result), group=group)
-    return replace_fsdp_scheduling(base(traced_result, config, parallel_dims=parallel_dims), ours, keep=keep_bucketing)
+    and `fxsched_pass` orders its buckets after it). With a `group` every rank of it builds its list
+    here (graph_trainer does, on each rank) and the ranks then meet once: where building it fails on
+    one rank (`base`, a bad pipeline), every rank raises (the others `runtime.agreement.PeerFailure`),
+    and ranks given other pipelines or cost models raise `PlanMismatch`, instead of meeting first in
+    the pass, where the others would wait for the rank that never runs it."""
+    from ..api import _agreement
+
+    with _agreement(group) as agreement:
+        if base is None:
+            from torchtitan.experiments.graph_trainer.passes import construct_default_graph_passes as base
+        ours = fxsched_pass(pipeline, cost_model=cost_model, names=param_names(traced_result), group=group)
+        passes = replace_fsdp_scheduling(base(traced_result, config, parallel_dims=parallel_dims), ours,
+                                         keep=keep_bucketing)
+        agreement.agree(None, pipeline=f"torchtitan's pass list with {ours.pipeline}", cost_model=cost_model)
+    return passes
 
 
 def register(name: str = PIPELINE_NAME, pipeline: str = DEFAULT_PIPELINE, *, cost_model: Any = None,

@@ -552,8 +552,8 @@ class Agreement:
 
     def agree(self, program, *, pipeline: str | None = None, cost_model: Any = None) -> dict[str, Any]:
         """The ranks' statuses and plans, then `agree_sizes`' work on `program` (returns what it
-        returns). `program` None: this rank schedules nothing (the drop-in disabled), with
-        `pipeline` saying so; every rank must then say the same."""
+        returns). `program` None: only the statuses and plans (the drop-in disabled, with
+        `pipeline` saying so; torchtitan's pass list built); every rank must then say the same."""
         from ..ir.sizes import op_sizes, sizes, structure, structure_digest, with_sizes
 
         pg = self._group()

@@ -81,6 +81,13 @@ def _case(name, rank, gm, pg):
         return fxsched.overlap_param_gather(gm, fxsched.PassConfig(fsdp_allgather_prefetch=not faulty), group=pg)
     if name == "the drop-in is disabled on every rank":
         return fxsched.overlap_param_gather(gm, fxsched.PassConfig(fsdp_allgather_prefetch=False), group=pg)
+    if name == "torchtitan's pass list fails to build on one rank":
+        from fxsched.integrations.torchtitan import fxsched_pass_pipeline
+
+        base = _injected if faulty else (lambda traced, config, parallel_dims=None: [])
+        traced = SimpleNamespace(gm=gm, state_fqns=[], input_subclass_layouts={})
+        fxsched_pass_pipeline(traced, None, pipeline=PIPELINE, base=base, group=pg)
+        return None
     if name == "inductor, warn: recognising the collectives fails":
         with _fault(faulty, "fxsched.integrations.inductor.tag_fsdp_collectives"):
             return _inductor(gm, pg)
@@ -97,7 +104,8 @@ def _case(name, rank, gm, pg):
 CASES = ("lowering fails", "an option only one rank got is bad", "a pipeline only one rank got is bad",
          "the ranks got other pipelines", "the ranks got other cost models",
          "a pass fails after the sizes were agreed", "the drop-in's config is bad on one rank",
-         "the drop-in is disabled on one rank", "the drop-in is disabled on every rank", "no fault")
+         "the drop-in is disabled on one rank", "the drop-in is disabled on every rank",
+         "torchtitan's pass list fails to build on one rank", "no fault")
 INDUCTOR_CASES = ("inductor, warn: recognising the collectives fails",
                   "inductor, warn: a pass fails after the sizes were agreed", "inductor, warn: no fault")
 
@@ -150,9 +158,10 @@ def _hung(result) -> bool:
 @pytest.mark.multirank
 def test_a_rank_that_fails_leaves_every_rank_of_the_group_with_an_error_and_none_hangs():
     """Rank 1 fails alone: its lowering raises, an option or the pipeline only it got is bad, a
-    pass raises after the sizes were agreed, the drop-in's config is bad there. Before the ranks met
-    with their statuses, rank 0 waited in the exchange (the first four and the config: a hang) or
-    went on to a schedule rank 1 never got (the pass). Now rank 1 raises its own error and rank 0
+    pass raises after the sizes were agreed, the drop-in's config is bad there, torchtitan's pass
+    list fails to build there. Before the ranks met with their statuses, rank 0 waited in the
+    exchange (the first three and the config: out of step, a hang), went on to a schedule rank 1
+    never got (the pass), or returned a pass list whose fxsched pass would wait for rank 1. Now rank 1 raises its own error and rank 0
     `PeerFailure` naming rank 1 and its error; the ranks stay in step (the all-reduce after each
     case is 1 + 2). Given other pipelines or cost models, or the drop-in disabled on one rank only,
     every rank raises `PlanMismatch` (their collectives would come in other orders); disabled on
@@ -163,7 +172,8 @@ def test_a_rank_that_fails_leaves_every_rank_of_the_group_with_an_error_and_none
             assert not _hung(r[name]) and r[name]["after"] == 3, (name, rank, r[name])
     own = {"lowering fails": "RuntimeError", "an option only one rank got is bad": "ConfigError",
            "a pipeline only one rank got is bad": "PipelineError", "a pass fails after the sizes were agreed":
-           "RuntimeError", "the drop-in's config is bad on one rank": "ConfigError"}
+           "RuntimeError", "the drop-in's config is bad on one rank": "ConfigError",
+           "torchtitan's pass list fails to build on one rank": "RuntimeError"}
     for name, kind in own.items():
         zero, one = results[0][name]["error"], results[1][name]["error"]
         assert one is not None and one[0] == kind, (name, one)
