@@ -3,7 +3,8 @@
 - `Roofline(hardware)`: heavy ops (mm, addmm, bmm, matmul, linear, attention forward and
   backward) take max(FLOPs / peak, bytes / HBM bandwidth) + a launch overhead; every other
   computation takes bytes moved (operands + results) / HBM bandwidth + the launch overhead;
-  views, waits, markers, inputs, constants, the output and frees take 0. A collective launch takes
+  views, waits, markers, inputs, constants, the output and frees take 0, and so does a cast whose
+  result is its operand's storage (`alias`), under every model. A collective launch takes
   latency + bytes·(n−1)/n ÷ collective bandwidth on its communication stream (bytes = the
   gathered output of an all-gather, the input of a reduce-scatter; an all-reduce moves twice
   that), n = the op's group size.
@@ -29,7 +30,7 @@ import attrs
 from ..ir.errors import CostModelError
 from ..ir.gcpause import gc_paused
 from ..ir.opclass import MATMULS, is_attention, is_attention_backward, op_name  # noqa: F401  (re-exported)
-from ..ir import Constant, Input, Launch, Marker, Op, Output, Program, Free, View, Wait
+from ..ir import Cast, Constant, Input, Launch, Marker, Op, Output, Program, Free, View, Wait
 from .hardware import H100, Hardware, hardware
 
 ZERO_COST = (View, Wait, Marker, Input, Constant, Output, Free)
@@ -38,8 +39,11 @@ STATIC = (Input, Constant)
 
 
 def is_zero_cost(op: Op) -> bool:
-    """Views, waits, markers, inputs, constants, the output and frees take no compute time."""
-    return isinstance(op, ZERO_COST)
+    """Views, waits, markers, inputs, constants, the output and frees take no compute time; nor
+    does a cast whose result is its operand's storage (`alias`: a conversion that returns its
+    input, or the pad of a shard that lowering takes for the shard, `lowering/fx.py`), whatever
+    the cost model (`op_costs`)."""
+    return isinstance(op, ZERO_COST) or (type(op) is Cast and op.alias is not None)
 #: the group size assumed for a collective whose op does not say (one node of 8 devices)
 DEFAULT_GROUP_SIZE = 8
 
@@ -352,6 +356,11 @@ def op_costs(program: Program, model: Any = None) -> dict[str, float]:
     prices: dict[tuple, float] = {}
     with gc_paused():
         for name, op in zip(names, ops):
+            if type(op) is Cast and op.alias is not None:
+                # its operand itself (`is_zero_cost`), whatever the model: a rank that pads its
+                # shard before the gather is priced as one that gathers it as it is
+                costs[name] = 0.0
+                continue
             if roofline:
                 if isinstance(op, ZERO_COST):
                     costs[name] = 0.0

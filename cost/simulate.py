@@ -14,7 +14,8 @@ launch's inputs and results) runs, or at a free of it (whose readers a legal sch
 already run) — but not before the wait of a collective that reads it (an input graph may free
 a collective's input before its wait: the collective still reads it, ir/effects.py); a buffer
 nothing keeps is released right after its op; inputs, constants and what the output returns
-live to the end. The peak is taken after each op's allocation, before its releases.
+live to the end (an input that a cast with `alias` is, a shard's pad before its gather, holds
+the cast's bytes: every rank counts its shard as gathered, lowering/fx.py). The peak is taken after each op's allocation, before its releases.
 
 One pass over the schedule and the edges, plus a sort of the gather intervals: O(N log N).
 """
@@ -27,7 +28,7 @@ from typing import Any
 import attrs
 
 from ..ir.gcpause import gc_paused
-from ..ir import Free, Launch, Output, Program, View, Wait
+from ..ir import Cast, Free, Launch, Output, Program, View, Wait
 from .model import STATIC, as_cost_model, collective_kind, op_costs
 
 COMPUTE = "compute"
@@ -272,9 +273,18 @@ def memory_profile(program: Program, order: list[str] | None = None) -> MemoryPr
 def _memory(order: list[str], ops: Mapping[str, Any]) -> MemoryProfile:
     pos = {n: i for i, n in enumerate(order)}
     root: dict[str, str] = {}
+    padded: dict[str, int] = {}  # an input -> the bytes of a cast that is it (its shard's pad, as gathered)
     for name in order:
-        base = _alias_base(ops[name])
-        root[name] = root.get(base, base) if base is not None else name
+        op = ops[name]
+        base = _alias_base(op)
+        if base is None:
+            root[name] = name
+            continue
+        r = root[name] = root.get(base, base)
+        if type(op) is Cast and isinstance(ops.get(r), STATIC):
+            # lowering takes a shard's pad for the shard (`alias`): every rank holds its shard as
+            # gathered, as the rank whose shard is whole does, so ranks' peaks agree
+            padded[r] = max(padded.get(r, 0), result_bytes(op))
     release_at: dict[str, int] = {}   # storage root -> position after which it is released
     freed_at: dict[str, int] = {}
     waited_at: dict[str, int] = {}    # storage root -> the last wait of a collective keeping it
@@ -301,6 +311,8 @@ def _memory(order: list[str], ops: Mapping[str, Any]) -> MemoryProfile:
     for name in order:
         op = ops[name]
         size = alloc_bytes(op)
+        if padded and name in padded:
+            size = max(size, padded[name])
         if size <= 0:
             continue
         alloc[name] = size

@@ -197,7 +197,9 @@ class Compute(Op):
 @attrs.frozen(kw_only=True)
 class Cast(Op):
     """A dtype conversion (or DTensor's pad of a smaller shard before its gather); a lone cast of a
-    shard moves with the gather that reads it."""
+    shard moves with the gather that reads it. With `alias` its result is taken for its operand's
+    storage: a conversion that returns its input, or a shard's pad before its gather (lowering:
+    the ranks without the pad gather the shard itself), which then costs no time and no bytes."""
 
     target: str = ""
 

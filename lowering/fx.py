@@ -205,6 +205,12 @@ class _Lowering:
             found = self.targets[key] = _classify(node.op, node.target)
             return found
 
+    def pads_for_gather(self, node: fx.Node) -> bool:
+        """DTensor's pad of a smaller shard before its all-gather (`pads_first_dim_end`, every
+        user a functional all-gather)."""
+        return (pads_first_dim_end(node) and bool(node.users)
+                and all(user.op == "call_function" and self.target(user).all_gather for user in node.users))
+
     def draws_inside(self, node: fx.Node) -> bool:
         """A higher-order op whose subgraph (`invoke_subgraph`, `cond`, ...: a GraphModule it is
         given) draws from the RNG, at any depth: it is random as its random ops are."""
@@ -770,6 +776,13 @@ class _Lowering:
             if several and not self.covered(node):
                 may_alias = tuple(dict.fromkeys((*may_alias, *several)))
         if (info.cast or pads_first_dim_end(node)) and not writes:
+            if alias is None and self.pads_for_gather(node):
+                # the shard as gathered: a rank whose shard is whole gathers it as it is (no pad),
+                # one with a smaller shard pads it first; taken for the shard itself (`alias`: no
+                # storage, no time, `cost/`; read until the gather's wait), every rank's graph
+                # orders and prices as the one without pads, so the cost-guided passes take the
+                # same decisions on every rank (`bucket` packed 6 gathers on rank 0, 4 on rank 1)
+                alias = operands[0]
             return Cast.make(name, operands, phase, types, target=target, alias=alias)
         return Compute.make(name, operands, phase, types, target=target, heavy=info.heavy, attention=info.attention,
                             random=random, writes=writes, alias=alias, may_alias=may_alias)

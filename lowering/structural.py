@@ -39,7 +39,8 @@ and `fsdp_gradient_reduction` with its kind. Collectives of tensor parallelism a
 activations: their results feed compute, or their inputs are computed, so they are neither
 gathers nor gradient reductions and keep their place in the collective order. `groups` limits
 recognition to the named process groups (a graph whose TP collectives touch graph inputs or
-outputs directly); a gather of a non-floating graph input (token ids) is never a parameter's.
+outputs directly); a gather of a non-floating graph input (token ids) is never a parameter's,
+nor one of a tangent (an output's gradient, by the `meta["desc"]` AOTAutograd gives its inputs).
 """
 
 from __future__ import annotations
@@ -380,6 +381,14 @@ def _not_a_parameter(source: fx.Node) -> str | None:
     value = source.meta.get("val")
     if isinstance(value, torch.Tensor) and not (value.dtype.is_floating_point or value.dtype.is_complex):
         return f"graph input %{source.name} holds {value.dtype}, not a parameter's values"
+    # AOTAutograd describes each input of the graphs it makes (`meta["desc"]`, the same on every
+    # rank): a tangent (the gradient of an output, as the loss's reaches the backward graph, or a
+    # DTensor tangent's local tensor) is never a parameter's shard; a tp gather of it (sequence
+    # parallel's last block) was taken for a re-gather. The model's own input is a plain input,
+    # as a parameter torch.compile lifts is: that one the graph does not tell apart.
+    is_tangent = getattr(source.meta.get("desc"), "is_tangent", None)
+    if callable(is_tangent) and is_tangent() is True:
+        return f"graph input %{source.name} is the gradient of an output (AOTAutograd's tangent), not a parameter's shard"
     return None
 
 

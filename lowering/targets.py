@@ -44,7 +44,8 @@ def pads_first_dim_end(node: fx.Node) -> bool:
     """An `aten.constant_pad_nd` that adds rows at the end of its input's first dim only (its pad
     list names every dim, last dim first: all zero but the last entry): DTensor's pad of a rank's
     smaller shard before it is gathered (SimpleFSDP's uneven shards). Lowered as a cast: only the
-    ranks with a smaller shard have it, and it moves with its gather as a cast of a shard does."""
+    ranks with a smaller shard have it, and it moves with its gather as a cast of a shard does;
+    before a gather, a cast with `alias` (the shard itself: lowering/fx.py, `pads_for_gather`)."""
     if node.target is not torch.ops.aten.constant_pad_nd.default or not node.all_input_nodes:
         return False
     pad = node.args[1] if len(node.args) > 1 else node.kwargs.get("pad")

@@ -280,12 +280,17 @@ def test_a_compiled_two_d_mesh_step_under_every_pipeline_and_in_random_orders_is
     gloo ranks, compiled by torch.compile with fxsched's Inductor pass: the pass's schedule
     under each of two pipelines computes the compiled step's loss and gradients bitwise on every
     rank, and so do 4 random legal orders of each post-grad graph; none hangs. (The full sweep is
-    the slow test below.)"""
+    the slow test below.) The forward's gathers are the 12 parameters' and the tp gather of the
+    model's input (a plain graph input, as a lifted parameter is: docs/bad-input.md); the
+    backward's tp gather of the loss's gradient (a tangent) is no parameter's re-gather (until
+    2026-12-05 it was taken for one)."""
     from fxsched.runtime import run_ranks
 
     pipelines, orders = ("reference", "default"), 4
     results = run_ranks(_compiled_worker, WORLD, args=(pipelines, orders), timeout=1200)
     _check_compiled(results, pipelines, orders)
+    for r in results:
+        assert [(phase, gathers) for phase, gathers, _ in r["records"]["default"]] == [("forward", 13), ("backward", 0)]
     assert [r["groups"] for r in results] == [{"dp": "1", "tp": "3"}, {"dp": "2", "tp": "3"},
                                               {"dp": "1", "tp": "4"}, {"dp": "2", "tp": "4"}]
 
@@ -564,25 +569,22 @@ def _uneven_model(mesh):
     return torchtitan_simple_fsdp.data_parallel(model, mesh, mode="fully_shard")
 
 
-#: the pipelines whose decisions the ranks' uneven graphs cannot sway: each places every launch and
-#: wait where the other rank does; `bucket`'s do (below)
-EVEN_HANDED = ("reference", "default", "default,unshard", "unorder-reduce-scatters,gradients-first,default")
-
-
 def _uneven_worker(rank, world_size):
     """The uneven model's compiled step as Inductor compiles it (its post-grad graphs kept); each
-    pipeline's schedule of those graphs (the order of their collectives and waits, by name, and
-    the collectives as the ranks' agreement check lists them); the compiled step with fxsched's
-    pass running each pipeline of EVEN_HANDED; what the structural stage recognised."""
+    pipeline's schedule of those graphs (the order of their collectives and waits, by name, the
+    collectives as the ranks' agreement check lists them, and that check run across the ranks on
+    each graph: its fingerprint, or the mismatch it raised); the compiled step with fxsched's pass
+    running each pipeline; what the structural stage recognised."""
     from torch.distributed.device_mesh import init_device_mesh
 
     from fxsched.integrations.inductor import FxschedInductorPass
-    from fxsched.runtime.agreement import collective_entries
+    from fxsched.runtime.agreement import ScheduleMismatch, check_ranks_agree, collective_entries
 
     _short_timeouts()
     mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("dp",))
     capture = _Capture()
-    steps, recognised, orders, entries = {"traced": _compiled_step(mesh, rank, capture, _uneven_model, UNEVEN)}, {}, {}, {}
+    steps, recognised, orders, entries, agreed = ({"traced": _compiled_step(mesh, rank, capture, _uneven_model, UNEVEN)},
+                                                  {}, {}, {}, {})
     for pipeline in ALL_PIPELINES:
         fx_pass = FxschedInductorPass(pipeline, on_error="raise")
         graphs = [copy.deepcopy(gm) for gm in capture.graphs]
@@ -593,13 +595,19 @@ def _uneven_worker(rank, world_size):
         orders[pipeline] = [[n.name for n in gm.graph.nodes if "all_gather" in n.name or "reduce_scatter" in n.name
                              or "wait_tensor" in n.name] for gm in graphs]
         entries[pipeline] = [collective_entries(gm) for gm in graphs]
-    for pipeline in EVEN_HANDED:
+        agreed[pipeline] = []
+        for gm in graphs:
+            try:
+                agreed[pipeline].append(check_ranks_agree(gm))
+            except ScheduleMismatch as exc:
+                agreed[pipeline].append(f"mismatch: {exc}")
+    for pipeline in ALL_PIPELINES:
         steps[pipeline] = _compiled_step(mesh, rank, FxschedInductorPass(pipeline, on_error="raise"), _uneven_model, UNEVEN)
-    return {"steps": steps, "recognised": recognised, "orders": orders, "entries": entries}
+    return {"steps": steps, "recognised": recognised, "orders": orders, "entries": entries, "agreed": agreed}
 
 
 @pytest.mark.multirank
-def test_uneven_shards_padded_before_their_gathers_are_fsdp_gathers_on_every_rank():
+def test_uneven_shards_padded_before_their_gathers_are_scheduled_alike_on_every_rank():
     """SimpleFSDP pads a rank's smaller shard of a parameter whose rows no world size divides
     (`constant_pad_nd` then the all-gather: torchtitan, DTensor), so on 2 ranks rank 1's gathers read
     a pad of the graph input, rank 0's the input itself. The structural stage took only rank 0's
@@ -609,14 +617,18 @@ def test_uneven_shards_padded_before_their_gathers_are_fsdp_gathers_on_every_ran
     gathers, rank 1 none): with a second group's collectives between them, ranks that wait in
     other orders can hang. A pad at the end of a shard's first dim now passes the shard through as
     a cast does (structural), and lowers as one (it moves with its gather): both ranks recognise
-    the same gathers and place every launch and wait alike under `reference`, `default`,
-    `default,unshard` and `unorder-reduce-scatters,gradients-first,default`, which compute the
-    compiled step bitwise on both ranks.
+    the same gathers.
 
-    Left (docs/bad-input.md, known gaps): `bucket` prices each rank's graph with its own sizes and
-    pads, and packs 8 forward gathers into one on rank 0, 5 on rank 1 (before: 8 and none): run together,
-    gloo aborts ("Received data size doesn't match expected size"). The ranks' agreement check
-    names the difference; this pins it."""
+    `bucket` (`rewrite`, `default,bucket`) still priced each rank's graph with its own pads: rank
+    1's pads took compute time and held a padded copy of the shard until the gather's wait, rank
+    0 had none, and the simulated steps differed (0.063 ms exposed on rank 0, 0.030 on rank 1), so
+    rank 0 packed 6 forward gathers into one bucket, rank 1 4 (the agreement check named an
+    all-gather of other sizes; run together, gloo aborted: "Received data size doesn't match
+    expected size"). A shard's pad before its gather is now the shard itself to the IR (a cast
+    with `alias`: no time, no storage of its own, the shard read until the wait), so every rank's
+    graph prices as rank 0's (whose shards are whole): every pipeline places every collective and
+    wait alike on both ranks, `check_ranks_agree` passes, and the compiled step computes bitwise
+    what the traced one does on both ranks, no hang."""
     from fxsched.runtime import run_ranks
     from fxsched.runtime.agreement import compare_entries
 
@@ -624,21 +636,26 @@ def test_uneven_shards_padded_before_their_gathers_are_fsdp_gathers_on_every_ran
     assert results[0]["recognised"] == results[1]["recognised"]
     assert results[0]["recognised"]["default"] == [("forward", 12, 0), ("backward", 0, 12)]
     differ = [p for p in ALL_PIPELINES if results[0]["orders"][p] != results[1]["orders"][p]]
-    assert differ == ["rewrite", "default,bucket"], differ
-    for pipeline in differ:
-        mismatch = compare_entries([results[0]["entries"][pipeline][0], results[1]["entries"][pipeline][0]])
-        assert mismatch is not None and "all_gather" in mismatch.expected["kind"]
+    assert differ == [], differ
+    for pipeline in ALL_PIPELINES:
+        for graph in range(2):
+            assert compare_entries([r["entries"][pipeline][graph] for r in results]) is None, (pipeline, graph)
+        assert results[0]["agreed"][pipeline] == results[1]["agreed"][pipeline], pipeline
+        assert not any(a.startswith("mismatch") for a in results[0]["agreed"][pipeline]), results[0]["agreed"][pipeline]
+    # the bucket pipelines bucket: forward gathers packed into fewer collectives than traced
+    for pipeline in ("rewrite", "default,bucket"):
+        assert len(results[0]["entries"][pipeline][0]) < len(results[0]["entries"]["reference"][0]), pipeline
     bad = {}
     for rank, r in enumerate(results):
         traced = r["steps"]["traced"]
         assert not isinstance(traced, str), traced
-        for pipeline in EVEN_HANDED:
+        for pipeline in ALL_PIPELINES:
             got = r["steps"][pipeline]
             if isinstance(got, str):
                 bad.setdefault(pipeline, f"rank {rank} {got}")
             elif not all(torch.equal(a, b) for a, b in zip(traced, got, strict=True)):
                 bad.setdefault(pipeline, f"rank {rank}: other loss or gradients")
-    assert not bad, f"{len(bad)} of {len(EVEN_HANDED)} pipelines hung or differ: {bad}"
+    assert not bad, f"{len(bad)} of {len(ALL_PIPELINES)} pipelines hung or differ: {bad}"
     assert not torch.equal(results[0]["steps"]["traced"][0], results[1]["steps"]["traced"][0])
 
 
@@ -661,3 +678,91 @@ def test_a_pad_at_the_end_of_a_shards_first_dim_passes_the_shard_through(pad, re
     gm = make_fx(f, tracing_mode="fake")(torch.randn(2, 5), torch.randn(3, 5 + pad[1]))
     result = tag_fsdp_collectives(gm.graph, phase="forward")
     assert [g.param_name for g in result.tagged] == (["shard_1"] if recognised else [])
+
+
+def _uneven_linears(rank):
+    """A stack of linears (5 -> 11 -> 5 -> 11 -> 5) as SimpleFSDP gathers them on 2 ranks, traced
+    with fake tensors: rank 0's shards are whole (3 and 6 rows), rank 1's are short (2 and 5) and
+    padded by a row before each gather; the gathered weight is cut back to its rows."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from fxsched.lowering.structural import tag_fsdp_collectives
+
+    c10d = torch.ops._c10d_functional
+    dims = [5, 11, 5, 11, 5]
+
+    def f(*args):
+        *shards, x = args
+        for i, shard in enumerate(shards):
+            rows, whole = dims[i + 1], -(-dims[i + 1] // 2)
+            if shard.shape[0] < whole:
+                shard = torch.ops.aten.constant_pad_nd.default(shard, [0, 0, 0, whole - shard.shape[0]], 0.0)
+            weight = c10d.wait_tensor.default(c10d.all_gather_into_tensor.default(shard, 2, "0"))
+            x = torch.relu(x @ torch.ops.aten.slice.Tensor(weight, 0, 0, rows).T)
+        return (x,)
+
+    shards = [torch.randn(-(-n // 2) if rank == 0 else n // 2, d) for d, n in zip(dims, dims[1:])]
+    gm = make_fx(f, tracing_mode="fake")(*shards, torch.randn(64, 5))
+    tag_fsdp_collectives(gm.graph, phase="forward")
+    return gm
+
+
+@pytest.mark.parametrize("pipeline", ["default,bucket", "rewrite"])
+def test_a_shards_pad_before_its_gather_prices_as_the_whole_shard_so_bucket_packs_alike_on_every_rank(pipeline):
+    """Rank 1 pads each short shard before gathering it, rank 0 does not: priced as written (the
+    pads' time on rank 1, their padded copies held until the waits), `bucket` packed the 1st and
+    2nd gathers on rank 0, the 2nd and 3rd on rank 1 (gloo aborts such ranks). The pad is the
+    shard itself to the IR now (a cast with `alias`): it costs nothing and holds nothing, the shard
+    input counts as the padded bytes, and both ranks' programs price, peak and bucket alike."""
+    from fxsched.cost.model import op_costs
+    from fxsched.cost.simulate import memory_profile
+    from fxsched.ir import Cast
+    from fxsched.lowering import lower
+    from fxsched.runtime.agreement import collective_entries, compare_entries
+
+    done = [fxsched.schedule(_uneven_linears(rank), pipeline) for rank in (0, 1)]
+    bought = [d.report["passes"]["bucket"]["bought"] for d in done]
+    assert bought[0] == bought[1] and len(bought[0]) == 1, bought
+    assert compare_entries([collective_entries(d.graph_module) for d in done]) is None
+
+    programs = [lower(_uneven_linears(rank)) for rank in (0, 1)]
+    pads = [op for op in programs[1].ops() if isinstance(op, Cast)]
+    assert len(pads) == 4 and all(op.alias == op.operands[0] for op in pads)
+    assert not any(isinstance(op, Cast) for op in programs[0].ops())
+    costs = [op_costs(p) for p in programs]
+    assert all(costs[1][op.name] == 0.0 for op in pads)
+    assert {n: ms for n, ms in costs[1].items() if n in costs[0]} == costs[0]
+    assert memory_profile(programs[0]).peak_bytes == memory_profile(programs[1]).peak_bytes
+
+
+@pytest.mark.parametrize("desc, recognised", [("tangent", False), ("tangent's local tensor", False),
+                                              ("plain", True), ("parameter's local tensor", True), (None, True)])
+def test_a_gather_of_a_tangent_is_no_parameters_gather(desc, recognised):
+    """In the compiled 2-D step, the backward graph's tp gather of the loss's gradient (sequence
+    parallel's last block gathers it) read a graph input as FSDP's re-gathers do, and was taken for
+    one. AOTAutograd describes each input (`meta["desc"]`, the same on every rank): a tangent, or
+    a DTensor tangent's local tensor, is no parameter's shard. A plain input (the model's input, or
+    a parameter torch.compile lifts) and a parameter's local tensor still are."""
+    descriptors = pytest.importorskip("torch._functorch._aot_autograd.descriptors")
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from fxsched.lowering.structural import tag_fsdp_collectives
+
+    c10d = torch.ops._c10d_functional
+    plain = descriptors.PlainAOTInput(0)
+    descs = {"tangent": descriptors.TangentAOTInput(descriptors.PlainAOTOutput(0)),
+             "tangent's local tensor": descriptors.SubclassGetAttrAOTInput(
+                 descriptors.TangentAOTInput(descriptors.PlainAOTOutput(0)), "_local_tensor"),
+             "plain": plain, "parameter's local tensor": descriptors.SubclassGetAttrAOTInput(plain, "_local_tensor"),
+             None: None}
+
+    def f(shard, x):
+        return (x @ c10d.wait_tensor.default(c10d.all_gather_into_tensor.default(shard, 2, "0")).T,)
+
+    gm = make_fx(f, tracing_mode="fake")(torch.randn(2, 5), torch.randn(3, 5))
+    if descs[desc] is not None:
+        next(iter(gm.graph.find_nodes(op="placeholder"))).meta["desc"] = descs[desc]
+    result = tag_fsdp_collectives(gm.graph, phase="backward")
+    assert [g.param_name for g in result.tagged] == (["shard_1"] if recognised else [])
+    if not recognised:
+        assert "tangent" in str(result.skipped)
