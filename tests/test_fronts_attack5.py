@@ -61,7 +61,8 @@ def _model(mesh):
     `g`); the second sequence parallel (the norm's input and the block's output sharded on the
     sequence: an all-gather before `up`, a reduce-scatter after `down`, so the backward gathers the
     loss's gradient). The tp gathers of the model's input and of that gradient read graph inputs,
-    as FSDP's gathers do: the structural stage takes them for parameters' gathers."""
+    as FSDP's gathers do: the structural stage takes the model input's for a parameter's gather
+    (a plain input, as a lifted parameter is), not the gradient's (an AOTAutograd tangent)."""
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
                                                    SequenceParallel, parallelize_module)
