@@ -27,10 +27,10 @@ from ..ir.ops import WAIT_ON_NO_LAUNCH
 from ..ir.text import EXPLICIT
 from ..ir import tags
 from ..ir.holds import BUCKET_WITHOUT_MEMBERS, NO_PARAMETER_NAME
-from .targets import (FUNCTIONAL_HOPS, P2P_BATCH, SYNCHRONOUS_COLLECTIVES, TRITON_FUNCTIONAL, TRITON_MUTATION, _MODULES_RETURNING_INPUT,
+from .targets import (FUNCTIONAL_HOPS, P2P_BATCH, TRITON_FUNCTIONAL, TRITON_MUTATION, _MODULES_RETURNING_INPUT,
                       _PLAIN_ATTRIBUTES, _VIEW_ATTRIBUTES, _Target, _classify, _graph_draws, _graph_state, _graph_writes,
-                      _random_module, _subgraphs, _updates_running_stats, _written_arguments, pads_first_dim_end, target_name,
-                      triton_written)
+                      _random_module, _subgraphs, _updates_running_stats, _written_arguments, pads_first_dim_end,
+                      synchronous_collective, target_name, triton_written)
 
 GATHER_TAGS = {tags.ALL_GATHER: Role.GATHER, tags.ALL_GATHER_BACKWARD: Role.REGATHER}
 FREE_TAGS = (tags.RESHARD_FREE, tags.RESHARD_FREE_BACKWARD)
@@ -877,7 +877,7 @@ class _Lowering:
             return Wait.make(name, operands, phase, types, target=target, writes=(source,) if launch_writes else (),
                              alias=source if launch_writes else None)
         if self.opaque(node):
-            reason = ("synchronous collective" if info.schema.name in SYNCHRONOUS_COLLECTIVES
+            reason = ("synchronous collective" if synchronous_collective(info.schema)
                       else "coalesced collective whose results are not each waited once" if info.coalesced
                       else "collective not waited exactly once")
             if info.coalesced and info.result_alias is not None:

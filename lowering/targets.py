@@ -24,9 +24,10 @@ CAST_OPS = {"prims::convert_element_type", "aten::_to_copy"}
 #: Shard(i) -> Shard(j) redistribution, torch's symmetric-memory collectives (async tensor
 #: parallelism's fused all-gather-matmul and matmul-reduce-scatter, which Inductor's
 #: micro-pipeline pass emits; symmetric-memory all-reduces, all-to-alls, broadcasts a user calls),
-#: each taking a `group_name`, and torch-npu's fused ones. Lowered as opaque collectives of their
-#: group, kept in place and in order with the group's other collectives (read as compute, a
-#: reorder could put them on another side of a group's collective on one rank than on another)
+#: each taking a `group_name`, and torch-npu's (`synchronous_collective`). Lowered as opaque
+#: collectives of their group, kept in place and in order with the group's other collectives (read
+#: as compute, a reorder could put them on another side of a group's collective on one rank than on
+#: another)
 SYNCHRONOUS_COLLECTIVES = frozenset({"_dtensor::shard_dim_alltoall"} | {f"symm_mem::{name}" for name in (
     "fused_all_gather_matmul", "fused_all_gather_scaled_matmul", "fused_matmul_reduce_scatter",
     "fused_scaled_matmul_reduce_scatter", "_low_contention_all_gather", "_low_contention_reduce_scatter",
@@ -35,9 +36,21 @@ SYNCHRONOUS_COLLECTIVES = frozenset({"_dtensor::shard_dim_alltoall"} | {f"symm_m
     "multimem_one_shot_all_reduce_out", "multimem_one_shot_reduce_out", "multimem_all_gather_out",
     "reduce_scatter_out", "all_to_all_vdev", "all_to_all_vdev_2d", "all_to_all_vdev_2d_offset",
     "nvshmem_all_to_all", "nvshmem_broadcast", "nccl_reduce_scatter_offset", "tile_reduce",
-    "multi_root_tile_reduce", "get_remote_tensors")} | {
-    # torch-npu's matmuls fused with TP's collective (their group is `hcom`: read as unknown)
-    "npu::npu_mm_all_reduce_base", "npu::npu_all_gather_base_mm", "npu::npu_mm_reduce_scatter_base"})
+    "multi_root_tile_reduce", "get_remote_tensors")})
+#: torch-npu's ops that run a collective inside (matmuls fused with an all-gather, reduce-scatter,
+#: all-reduce or all-to-all, MoE dispatch and combine, its barrier) name their HCCL group by a
+#: string argument of one of these names: `npu_mm_all_reduce_base(Tensor x1, Tensor x2, str hcom, ...)`,
+#: `npu_moe_distribute_dispatch(..., str group_ep, ..., str group_tp="")`, `_npu_distribute_barrier(
+#: Tensor x_ref, str group, ...)`. No other torch-npu op has a string argument of these names.
+NPU_GROUP_ARGUMENTS = frozenset({"hcom", "group", "group_ep", "group_tp"})
+
+
+def synchronous_collective(schema) -> bool:
+    """A collective that runs to completion when called: one of `SYNCHRONOUS_COLLECTIVES`, or an
+    `npu::` op with an HCCL group argument (`NPU_GROUP_ARGUMENTS`; read as of unknown group, it keeps
+    its order with every group's collectives)."""
+    return schema.name in SYNCHRONOUS_COLLECTIVES or (schema.name.startswith("npu::") and any(
+        a.name in NPU_GROUP_ARGUMENTS and str(a.type) in ("str", "Optional[str]") for a in schema.arguments))
 
 
 def pads_first_dim_end(node: fx.Node) -> bool:
@@ -408,7 +421,7 @@ def _classify(op: str, target) -> _Target:
         target = collective_overload(target) or target
     schema = getattr(target, "_schema", None) if call else None
     collective = schema is not None and (schema.name.split("::")[0] in COLLECTIVE_NAMESPACES
-                                         or schema.name in SYNCHRONOUS_COLLECTIVES)
+                                         or synchronous_collective(schema))
     view = (call and target is operator.getitem) or (
         schema is not None and not schema.is_mutable and bool(schema.returns)
         and schema.returns[0].alias_info is not None and not schema.returns[0].alias_info.is_write)

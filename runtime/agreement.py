@@ -33,7 +33,7 @@ from ..ir import Launch, Opaque
 from ..ir import tags
 from ..ir.opclass import COLLECTIVE_NAMESPACES
 from ..lowering.fx import value_types
-from ..lowering.targets import SYNCHRONOUS_COLLECTIVES, collective_overload, target_name
+from ..lowering.targets import collective_overload, synchronous_collective, target_name
 
 __all__ = ["Agreement", "PeerFailure", "PlanMismatch", "ScheduleMismatch", "StructureMismatch", "agree_sizes",
            "check_ranks_agree", "collective_entries", "compare_entries", "cost_key", "describe", "fingerprint",
@@ -80,7 +80,7 @@ def _fx_collective(node: fx.Node) -> bool:
     if schema is None:
         return False
     namespace, _, name = schema.name.partition("::")
-    return (namespace in _NAMESPACES and not name.startswith("wait")) or schema.name in SYNCHRONOUS_COLLECTIVES
+    return (namespace in _NAMESPACES and not name.startswith("wait")) or synchronous_collective(schema)
 
 
 def _fx_arg(node: fx.Node, name: str):

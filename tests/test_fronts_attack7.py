@@ -11,9 +11,11 @@ nothing here) and a CPU implementation that behaves like the real one in the res
 random op draws from the global generator, a fused matmul-communication op runs its collective.
 
 Inputs: NPU random ops whose schema carries no `nondeterministic_seeded` tag (npu_fusion_attention
-before torch-npu tagged it in 2026, its _v2 and _v3, npu_fused_attention_score); ... Each test that
-names a fix computed other numbers in some legal order before it; the others pin what was attacked
-without finding a hole.
+before torch-npu tagged it in 2026, its _v2 and _v3, npu_fused_attention_score); NPU ops that run a
+collective inside on an HCCL group named by a string (fused matmul + all-gather / reduce-scatter /
+all-to-all, MoE dispatch and combine, a barrier) beside functional collectives. Each test that
+names a fix computed other numbers (or moved a collective across another) in some legal order
+before it; the others pin what was attacked without finding a hole.
 """
 
 from __future__ import annotations
@@ -137,3 +139,84 @@ def test_npu_attentions_that_drop_are_random_though_no_tag_says_so(kind):
     program = lower(gm)
     assert program.op(f"{kind}_default").random
     assert_every_legal_order_computes_the_same(gm, _npu_random_inputs())
+
+
+# --------------------------------------------------------------------------- NPU fused matmul-communication ops
+
+
+#: torch-npu's ops that communicate inside (fused matmul + all-gather / reduce-scatter / all-to-all,
+#: MoE dispatch and combine across expert-parallel ranks, a barrier, attention-FFN disaggregation),
+#: by their leading arguments (op-plugin's schema to the first keyword-only argument, or trimmed
+#: after the group): their group is a `str hcom` / `group` / `group_ep` (an HCCL comm name)
+_NPU_COMMUNICATING = {
+    "npu_all_gather_quant_mm": "(Tensor self, Tensor x2, str hcom, int world_size, *, Tensor? bias=None) -> (Tensor, Tensor, Tensor)",
+    "npu_quant_mm_reduce_scatter": "(Tensor self, Tensor x2, str hcom, int world_size, *, str reduce_op=\"sum\") -> (Tensor, Tensor)",
+    "npu_matmul_all_to_all": "(Tensor x1, Tensor x2, str hcom, int world_size, Tensor? bias=None) -> Tensor",
+    "npu_all_to_all_matmul": "(Tensor x1, Tensor x2, str hcom, int world_size, Tensor? bias=None) -> (Tensor, Tensor)",
+    "npu_quant_matmul_all_to_all": "(Tensor x1, Tensor x2, str hcom, int world_size, Tensor? bias=None) -> Tensor",
+    "npu_all_to_all_quant_matmul": "(Tensor x1, Tensor x2, str hcom, int world_size, *, bool all2all_out_flag=True) -> (Tensor, Tensor)",
+    "npu_alltoallv_gmm": "(Tensor gmm_x, Tensor gmm_weight, str hcom, int ep_world_size, int[] send_counts, int[] recv_counts) -> (Tensor, Tensor, Tensor)",
+    "npu_gmm_alltoallv": "(Tensor gmm_x, Tensor gmm_weight, str hcom, int ep_world_size, int[] send_counts, int[] recv_counts) -> (Tensor, Tensor)",
+    "npu_moe_distribute_dispatch": "(Tensor x, Tensor expert_ids, str group_ep, int ep_world_size, int ep_rank_id, int moe_expert_num, *, str group_tp=\"\") -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)",
+    "npu_moe_distribute_combine": "(Tensor expand_x, Tensor expert_ids, Tensor expand_idx, Tensor ep_send_counts, Tensor expert_scales, str group_ep, int ep_world_size, int ep_rank_id, int moe_expert_num, *, str group_tp=\"\") -> Tensor",
+    "_npu_distribute_barrier": "(Tensor x_ref, str group, int world_size, *, Tensor? time_out=None) -> Tensor",
+}
+
+
+def _npu_comm_impl(*args, **kwargs):
+    """A stand-in kernel: the first tensor, as fresh storage, once per result."""
+    return args[0] * 1
+
+
+for _name, _schema in _NPU_COMMUNICATING.items():
+    _NPU.define(_name + _schema)
+    _returns = _schema.rsplit("->", 1)[1].strip()
+    _count = _returns.count("Tensor") if _returns.startswith("(") else 1
+    _NPU.impl(_name, (lambda k: (lambda *a, **kw: tuple(_npu_comm_impl(*a) for _ in range(k)) if k > 1
+                                 else _npu_comm_impl(*a)))(_count if _returns.startswith("(") else 0),
+              "CompositeExplicitAutograd")
+
+
+def _npu_comm_graph(kind: str) -> fx.GraphModule:
+    """A TP all-reduce, the NPU op, then another all-reduce of the group on something the NPU op
+    does not read: only the collective order ties the three together."""
+    op = getattr(torch.ops.npu, kind).default
+    schema = op._schema
+    g = fx.Graph()
+    a, b, y = g.placeholder("a"), g.placeholder("b"), g.placeholder("y")
+    first = g.call_function(c10d.wait_tensor.default, (g.call_function(c10d.all_reduce.default, (y, "sum", "tp")),))
+    args = []
+    for arg in schema.arguments:
+        if arg.kwarg_only or (arg.default_value is not None and len(args) >= 2) or str(arg.type) == "Optional[Tensor]":
+            break
+        kind_of = str(arg.type)
+        args.append(a if kind_of == "Tensor" and not args else b if kind_of == "Tensor"
+                    else "hccl_tp" if kind_of == "str" else [1, 1] if kind_of.startswith("List") else 2)
+    out = g.call_function(op, tuple(args))
+    if len(schema.returns) > 1:
+        out = g.call_function(operator.getitem, (out, 0))
+    last = g.call_function(c10d.all_reduce.default, (g.call_function(aten.mul.Tensor, (y, 2)), "sum", "tp"))
+    g.output((first, g.call_function(aten.mul.Tensor, (out, 1)), g.call_function(c10d.wait_tensor.default, (last,))))
+    return fx.GraphModule(nn.Module(), g)
+
+
+@pytest.mark.parametrize("kind", list(_NPU_COMMUNICATING))
+def test_npu_ops_that_communicate_keep_their_order_with_every_groups_collectives(kind):
+    """torch-npu's other fused matmul-communication ops (quantised all-gather-matmul and
+    matmul-reduce-scatter, matmul with all-to-all either side, grouped matmul with all-to-allv), its
+    MoE dispatch and combine and its barrier run a collective on an HCCL group named by a string
+    argument (`hcom`, `group`, `group_ep`). Only three of them were synchronous collectives: the
+    others were compute, in no collective order (of the 3 legal orders of the op and two all-reduces
+    of one group, 2 moved it across one; a pass that did so on one rank's graph and not another's
+    would pair other collectives) and missing from the ranks' agreement check. Every `npu::` op
+    with such an argument is a synchronous collective of unknown group now."""
+    from fxsched.ir import Opaque
+    from fxsched.runtime.agreement import collective_entries
+
+    gm = _npu_comm_graph(kind)
+    program = lower(gm)
+    op = program.op(f"{kind}_default")
+    assert isinstance(op, Opaque) and op.reason == "synchronous collective" and op.group is None
+    order = {(u, v) for u, v, e in program.graph.edges(data=True) if e.get("why") == "collective-order"}
+    assert order == {("all_reduce_default", op.name), (op.name, "all_reduce_default_1")}
+    assert [e["kind"].split(".")[1] for e in collective_entries(gm)] == ["all_reduce", kind, "all_reduce"]
