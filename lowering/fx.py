@@ -512,6 +512,22 @@ class _Lowering:
                 return self.name_of(operand)
         return None
 
+    def tagged_result(self, node: fx.Node, info: _Target, name: str, operands: tuple) -> tuple[str | None, tuple]:
+        """(`alias`, `may_alias`) of a node tagged `barrier`: nothing crosses it, but its result is
+        still what the op returns (an in-place op's operand, a view's source, a higher-order op's
+        returned input), which reads after the barrier must order with the writes after it through.
+        A val that shows the storage decides; a view that may copy is taken for a view."""
+        if self.storage(node) is not None:
+            return self.shared(node), ()
+        if info.view:
+            return (operands[0] if operands else None), ()
+        writes, alias, unknown = self.writes(node, info)
+        may_alias = self.may_return(node, writes) if unknown else ()
+        several = self.one_of.pop(name, ())
+        if several and not self.covered(node):
+            may_alias = tuple(dict.fromkeys((*may_alias, *several)))
+        return (None if may_alias else alias), may_alias
+
     def writes(self, node: fx.Node, info: _Target) -> tuple[tuple[str, ...], str | None, bool]:
         """The operands whose storage the call writes, the one its result aliases, and whether
         fxsched cannot see into the call.
@@ -664,8 +680,9 @@ class _Lowering:
             self.notes.append(f"%{node.name}: unknown comm_type={comm_type!r} (known: "
                               f"{', '.join(sorted(KNOWN_COMM_TYPES))}): treated as untagged")
         if meta.get(tags.BARRIER):
+            alias, may_alias = self.tagged_result(node, info, name, operands)
             return Barrier.make(name, operands, phase, types, target=target, reason="tagged barrier", heavy=info.heavy,
-                                attention=info.attention)
+                                attention=info.attention, alias=alias, may_alias=may_alias)
         if comm_type in GATHER_TAGS and info.all_gather:
             return self.gather(node, target, GATHER_TAGS[comm_type], base)
         if comm_type in FREE_TAGS:

@@ -694,3 +694,30 @@ def test_a_compiled_simple_fsdp_step_with_bf16_checkpointing_and_dropout_is_bitw
         for index, runs in enumerate(r["graphs"]):
             bad = [k for k, got in enumerate(runs[1:]) if isinstance(got, str) or not all(map(torch.equal, runs[0], got))]
             assert not bad, f"rank {rank}: graph {index}: {len(bad)} of {orders} orders differ or hang"
+
+
+def _tagged_copy(x, y):
+    v = x.view(-1)
+    a = v * 3
+    x.copy_(y)  # tagged barrier below: make_fx reads x through this node from here on
+    x.add_(1)
+    b = v * 2
+    x.mul_(2)
+    return a, b, v * 5, torch.sin(torch.ones(3))
+
+
+@pytest.mark.parametrize("mode", ["real", "fake"])
+def test_a_node_tagged_barrier_keeps_what_its_result_aliases(mode):
+    """A user's `barrier=True` tag on an in-place op (make_fx's `x.copy_(y)`, pinning a parameter
+    update): nothing crosses it, but its result, through which make_fx reads and writes x from then
+    on, was fresh storage, so `x.add_(1)` (written through it) and a read of `v`, a view of x taken
+    before, were unordered after the barrier: 59 of 60 random legal orders computed other numbers,
+    in real and fake mode. The tagged barrier's result now aliases what the op returns (x)."""
+    from test_fronts_attack2 import assert_random_legal_orders_compute_the_same
+
+    gm = make_fx(_tagged_copy, tracing_mode=mode)(torch.randn(4), torch.randn(4))
+    (copy,) = [n for n in gm.graph.nodes if n.target is aten.copy_.default]
+    copy.meta["barrier"] = True
+    (barrier,) = [op for op in lower(gm).ops() if op.name == copy.name]
+    assert barrier.reason == "tagged barrier" and barrier.alias == "x_1"
+    assert_random_legal_orders_compute_the_same(gm, [torch.randn(4), torch.randn(4)], count=60)
