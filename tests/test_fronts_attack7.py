@@ -13,7 +13,10 @@ random op draws from the global generator, a fused matmul-communication op runs 
 Inputs: NPU random ops whose schema carries no `nondeterministic_seeded` tag (npu_fusion_attention
 before torch-npu tagged it in 2026, its _v2 and _v3, npu_fused_attention_score); NPU ops that run a
 collective inside on an HCCL group named by a string (fused matmul + all-gather / reduce-scatter /
-all-to-all, MoE dispatch and combine, a barrier) beside functional collectives. Each test that
+all-to-all, MoE dispatch and combine, a barrier) beside functional collectives; torch.compile
+(dynamic=True) graphs of SimpleFSDP-style layers through fxsched's Inductor pass on 2 gloo ranks
+(SymInt placeholders, `sym_size` nodes, parameters of static and of symbolic size) and make_fx
+(tracing_mode="symbolic") of an FSDP step with each rank's own batch size. Each test that
 names a fix computed other numbers (or moved a collective across another) in some legal order
 before it; the others pin what was attacked without finding a hole.
 """
@@ -220,3 +223,232 @@ def test_npu_ops_that_communicate_keep_their_order_with_every_groups_collectives
     order = {(u, v) for u, v, e in program.graph.edges(data=True) if e.get("why") == "collective-order"}
     assert order == {("all_reduce_default", op.name), (op.name, "all_reduce_default_1")}
     assert [e["kind"].split(".")[1] for e in collective_entries(gm)] == ["all_reduce", kind, "all_reduce"]
+
+
+# --------------------------------------------------------------------------- dynamic shapes
+
+
+ALL_PIPELINES = ("reference", "default", "rewrite", "default,unshard", "default,bucket",
+                 "unorder-reduce-scatters,gradients-first,default")
+HANG_SECONDS = 10  # a collective of the harness's groups that waits longer has hung
+
+
+def _fresh_world(group_name: str):
+    """A new group of all ranks registered as `group_name` (the graphs' collectives' group), whose
+    collectives give up after HANG_SECONDS; returns a function that puts the original back."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    registry = torch._C._distributed_c10d
+    original = registry._resolve_process_group(group_name)
+    pg = dist.new_group(list(range(dist.get_world_size())), timeout=timedelta(seconds=HANG_SECONDS))
+    registry._unregister_process_group(group_name)
+    registry._register_process_group(group_name, pg)
+
+    def restore():
+        registry._unregister_process_group(group_name)
+        registry._register_process_group(group_name, original)
+
+    return restore
+
+
+def _guarded(group_name, run):
+    """`run()` on a fresh short-timeout group: its tensors, or "hang: ..." when a collective gave up."""
+    import torch.distributed as dist
+
+    dist.barrier()
+    restore = _fresh_world(group_name)
+    try:
+        out = run()
+        return [t.detach().clone() for t in (out if isinstance(out, (list, tuple)) else [out]) if isinstance(t, torch.Tensor)]
+    except RuntimeError as exc:
+        return "hang: " + str(exc).splitlines()[0][:100]
+    finally:
+        restore()
+
+
+def _symbolic_feeds(gm: fx.GraphModule, seed: int) -> list:
+    """Inputs for a dynamic graph: each SymInt placeholder its size hint, each tensor shaped by the
+    hints of its extents (floats random, ints small)."""
+    gen = torch.Generator().manual_seed(seed)
+
+    def hint(s):
+        return s if isinstance(s, int) else s.node.hint
+
+    out = []
+    for node in gm.graph.find_nodes(op="placeholder"):
+        val = node.meta["val"]
+        if isinstance(val, torch.SymInt):
+            out.append(hint(val))
+        elif isinstance(val, torch.Tensor):
+            shape = [hint(s) for s in val.shape]
+            out.append(torch.randn(shape, generator=gen, dtype=val.dtype) if val.dtype.is_floating_point
+                       else torch.randint(0, 3, shape, generator=gen, dtype=val.dtype))
+        else:
+            out.append(val)
+    return out
+
+
+def _dynamic_worker(rank, world_size, pipelines, orders, symbolic_parameters=False):
+    """On one rank: SimpleFSDP-style layers (test_compile's ShardedLinear: a gather, a checkpointed
+    re-gather, a reduce-scatter of the gradient) compiled with dynamic=True, each rank tracing with
+    its own batch size as the hint, then run at a second size: plainly, and with fxsched's pass
+    running each of `pipelines`; and the plain compile's post-grad graphs (SymInt sizes, sym_size
+    nodes) as traced and in `orders` seeded random legal orders, at this rank's sizes."""
+    import torch.distributed as dist
+
+    from fxsched.integrations.inductor import FxschedInductorPass
+    from fxsched.ir import Launch, Wait
+    from fxsched.ir.program import Schedule
+    from fxsched.raising import raise_program
+
+    from test_compile import LITE, ShardedLinear
+    from test_fronts_attack import _random_orders
+    from test_fronts_attack5 import _Capture
+
+    torch.set_num_threads(1)
+    # dynamo sizes parameters statically unless told otherwise: then the shards, their gathers and
+    # the gradients' reduce-scatters have symbolic extents too
+    torch._dynamo.config.force_parameter_static_shapes = not symbolic_parameters
+    group = dist.group.WORLD.group_name
+    weights = [torch.randn(16, 16, generator=torch.Generator().manual_seed(i)) for i in range(2)]
+    sizes = (4, 6) if rank == 0 else (6, 4)
+
+    def steps(post_grad):
+        torch._dynamo.reset()
+        model = nn.Sequential(*[ShardedLinear(w, world_size, rank) for w in weights])
+        run = torch.compile(model, backend="inductor", options={**LITE, "post_grad_custom_post_pass": post_grad},
+                            dynamic=True)
+        out = []
+        for size in sizes:
+            x = torch.randn(size, 16, generator=torch.Generator().manual_seed(100 * size + rank))
+
+            def step():
+                loss = run(x).square().sum()
+                loss.backward()
+                return [loss] + [p.grad for p in model.parameters()]
+
+            out.append(_guarded(group, step))
+            model.zero_grad()
+        return out
+
+    capture = _Capture()
+    result = {"steps": {"traced": steps(capture)}, "records": {}, "graphs": [], "orders": []}
+    for pipeline in pipelines:
+        fx_pass = FxschedInductorPass(pipeline, on_error="raise")
+        result["steps"][pipeline] = steps(fx_pass)
+        result["records"][pipeline] = [(r["phase"], r["gathers"], r["moved"]) for r in fx_pass.runs]
+    result["symbolic"] = [any(isinstance(n.meta.get("val"), torch.SymInt) for n in gm.graph.find_nodes(op="placeholder"))
+                          for gm in capture.graphs]
+    for index, gm in enumerate(capture.graphs):
+        inputs = _symbolic_feeds(gm, 1000 * index + rank)
+        program = lower(gm)
+        runs = [_guarded(group, lambda: gm(*[t.clone() if isinstance(t, torch.Tensor) else t for t in inputs]))]
+        for order in _random_orders(program, orders, 0):
+            result["orders"].append([n for n in order if isinstance(program.op(n), (Launch, Wait))])
+            program.schedule = Schedule(order)
+            raised = raise_program(program)
+            runs.append(_guarded(group, lambda: raised(*[t.clone() if isinstance(t, torch.Tensor) else t for t in inputs])))
+        result["graphs"].append(runs)
+    return result
+
+
+def _check_dynamic(results, pipelines, orders):
+    bad = {}
+    for rank, r in enumerate(results):
+        traced = r["steps"]["traced"]
+        assert not any(isinstance(s, str) for s in traced), f"rank {rank}: the plain compile failed: {traced}"
+        for pipeline in pipelines:
+            for size, (want, got) in enumerate(zip(traced, r["steps"][pipeline], strict=True)):
+                if isinstance(got, str) or not all(torch.equal(a, b) for a, b in zip(want, got, strict=True)):
+                    bad.setdefault(f"pipeline {pipeline} size #{size}", f"rank {rank}: {got if isinstance(got, str) else 'differs'}")
+        for index, runs in enumerate(r["graphs"]):
+            assert not isinstance(runs[0], str), f"rank {rank}: graph {index} as traced failed: {runs[0]}"
+            for k, got in enumerate(runs[1:]):
+                if isinstance(got, str) or len(got) != len(runs[0]) or not all(map(torch.equal, runs[0], got)):
+                    bad.setdefault(f"graph {index} order {k}", f"rank {rank}: {got if isinstance(got, str) else 'differs'}")
+    assert not bad, f"{len(bad)} runs hung or differ: {bad}"
+    assert results[0]["symbolic"] == [True, True], "the graphs are not dynamic"
+    assert results[0]["orders"] == results[1]["orders"], "the ranks' orders run their collectives otherwise"
+    assert all(len(runs) == orders + 1 for runs in results[0]["graphs"])
+    assert not torch.equal(results[0]["steps"]["traced"][0][0], results[1]["steps"]["traced"][0][0])
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("symbolic_parameters", [False, True])
+def test_dynamic_shape_graphs_under_every_pipeline_and_in_random_orders_are_bitwise_on_two_ranks(symbolic_parameters):
+    """torch.compile(dynamic=True) of SimpleFSDP-style layers, each rank tracing with its own batch
+    size as the hint (4 and 6), then run at the other: every pipeline as fxsched's Inductor pass
+    computes the plain compile's loss and gradients bitwise at both sizes on both ranks, and 8
+    random legal orders of each post-grad graph (SymInt placeholders, `sym_size` nodes) compute
+    them as traced, the same collective order on both ranks, no hang. With the parameters' sizes
+    symbolic too (`force_parameter_static_shapes=False`: the gathers and reduce-scatters have
+    symbolic extents, no size to weigh) no pipeline moved anything (docs/bad-input.md, Known gaps);
+    with them static every pipeline moved a gather. Nothing found: this pins it."""
+    from fxsched.runtime import run_ranks
+
+    pipelines = ("default", "default,bucket", "unorder-reduce-scatters,gradients-first,default") \
+        if symbolic_parameters else ALL_PIPELINES
+    results = run_ranks(_dynamic_worker, 2, args=(pipelines, 8, symbolic_parameters), timeout=1200)
+    _check_dynamic(results, pipelines, 8)
+    moved = {p: sum(m for _, _, m in runs) for p, runs in results[0]["records"].items()}
+    assert all(m == 0 for m in moved.values()) if symbolic_parameters else all(moved.values()), moved
+
+
+def _symbolic_fsdp_step(x, s0, s1, t0):
+    """SimpleFSDP-style: gather each flat shard over "dp", a small MLP on x (its batch extent
+    symbolic), gradients by autograd, each reduce-scattered over "dp"; an in-place running sum of
+    the loss into a buffer (`t0`) between them."""
+    def gather(shard):
+        return c10d.wait_tensor.default(c10d.all_gather_into_tensor.default(shard, 2, "dp")).view(8, 8)
+
+    w0, w1 = gather(s0).detach().requires_grad_(), gather(s1).detach().requires_grad_()
+    with torch.enable_grad():
+        h = torch.relu(x @ w0)
+        loss = (h @ w1).square().sum() / x.shape[0]
+        g0, g1 = torch.autograd.grad(loss, [w0, w1])
+    t0.add_(loss.detach())
+    r0 = c10d.wait_tensor.default(c10d.reduce_scatter_tensor.default(g0.flatten(), "sum", 2, "dp"))
+    r1 = c10d.wait_tensor.default(c10d.reduce_scatter_tensor.default(g1.flatten(), "sum", 2, "dp"))
+    return loss.detach(), r0, r1, t0 * 1
+
+
+def _step_feeds(rank):
+    gen = torch.Generator().manual_seed(10 + rank)
+    return [torch.randn(3 + 2 * rank, 8, generator=gen), torch.randn(32, generator=gen), torch.randn(32, generator=gen),
+            torch.zeros(())]
+
+
+def _symbolic_build(rank, world_size):
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    import torch.distributed._functional_collectives  # noqa: F401  (the collectives' autograd)
+
+    return make_fx(_symbolic_fsdp_step, tracing_mode="symbolic")(*_step_feeds(rank))
+
+
+def test_a_symbolic_make_fx_step_has_symbolic_sizes_and_recognised_gathers():
+    """make_fx(tracing_mode="symbolic") of a SimpleFSDP-style step: `sym_size` nodes feed the
+    loss's scale; both gathers are FSDP gathers, both reductions reduce-scatters."""
+    import fxsched
+
+    gm = _symbolic_build(0, 2)
+    assert any(n.target is torch.ops.aten.sym_size.int for n in gm.graph.nodes)
+    result = fxsched.schedule(_symbolic_build(0, 2), "default")
+    assert sum(1 for n in result.graph_module.graph.nodes if n.target is c10d.all_gather_into_tensor.default) == 2
+
+
+@pytest.mark.multirank
+def test_a_symbolic_make_fx_step_in_random_orders_and_every_pipeline_is_bitwise_on_two_ranks():
+    """The symbolic step traced on each rank with its own batch size (3 and 5: the same graph, other
+    hints), 20 random legal orders and every pipeline, on 2 gloo ranks at those sizes: bitwise, no
+    hang (nothing found: this pins it)."""
+    from fxsched.runtime import run_ranks
+
+    from test_fronts_attack4 import _check, _legal_orders, _run_orders
+
+    orders = _legal_orders(lower(_symbolic_build(0, 2)), most=0, shuffled=20)
+    results = run_ranks(_run_orders, 2, args=(_symbolic_build, ("dp",), orders, ALL_PIPELINES, _step_feeds),
+                        timeout=1200)
+    _check(results, orders, ALL_PIPELINES)
