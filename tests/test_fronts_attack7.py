@@ -35,6 +35,9 @@ from test_fronts_attack import assert_every_legal_order_computes_the_same
 
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
+ALL_PIPELINES = ("reference", "default", "rewrite", "default,unshard", "default,bucket",
+                 "unorder-reduce-scatters,gradients-first,default")
+HANG_SECONDS = 10  # a collective of the harness's groups that waits longer has hung
 
 
 # --------------------------------------------------------------------------- NPU random ops without a tag
@@ -171,13 +174,34 @@ def _npu_comm_impl(*args, **kwargs):
     return args[0] * 1
 
 
+def _all_gather_mm(x1, x2, hcom, world_size, bias=None):
+    """npu_all_gather_quant_mm's collective on CPU: all-gather x1 over the group named `hcom` (gloo
+    here), then the matmul; (output, gathered x1, amax)."""
+    import torch.distributed as dist
+
+    gathered = x1.new_empty((world_size * x1.shape[0], *x1.shape[1:]))
+    dist.all_gather_into_tensor(gathered, x1.contiguous(), group=torch._C._distributed_c10d._resolve_process_group(hcom))
+    return gathered @ x2, gathered, gathered.abs().amax()
+
+
+def _mm_reduce_scatter(x1, x2, hcom, world_size, reduce_op="sum"):
+    """npu_quant_mm_reduce_scatter's on CPU: the matmul, reduce-scattered over `hcom`; (output, amax)."""
+    import torch.distributed as dist
+
+    full = (x1 @ x2).contiguous()
+    out = full.new_empty((full.shape[0] // world_size, *full.shape[1:]))
+    dist.reduce_scatter_tensor(out, full, group=torch._C._distributed_c10d._resolve_process_group(hcom))
+    return out, out.abs().amax()
+
+
+_COMMUNICATING_KERNELS = {"npu_all_gather_quant_mm": _all_gather_mm, "npu_quant_mm_reduce_scatter": _mm_reduce_scatter}
 for _name, _schema in _NPU_COMMUNICATING.items():
     _NPU.define(_name + _schema)
     _returns = _schema.rsplit("->", 1)[1].strip()
     _count = _returns.count("Tensor") if _returns.startswith("(") else 1
-    _NPU.impl(_name, (lambda k: (lambda *a, **kw: tuple(_npu_comm_impl(*a) for _ in range(k)) if k > 1
-                                 else _npu_comm_impl(*a)))(_count if _returns.startswith("(") else 0),
-              "CompositeExplicitAutograd")
+    _NPU.impl(_name, _COMMUNICATING_KERNELS.get(_name) or (
+        lambda k: (lambda *a, **kw: tuple(_npu_comm_impl(*a) for _ in range(k)) if k > 1
+                   else _npu_comm_impl(*a)))(_count if _returns.startswith("(") else 0), "CompositeExplicitAutograd")
 
 
 def _npu_comm_graph(kind: str) -> fx.GraphModule:
@@ -225,12 +249,103 @@ def test_npu_ops_that_communicate_keep_their_order_with_every_groups_collectives
     assert [e["kind"].split(".")[1] for e in collective_entries(gm)] == ["all_reduce", kind, "all_reduce"]
 
 
+def _npu_fsdp_build(rank, world_size):
+    """FSDP over group "dp" (two parameters gathered from flat shards, a gradient-like reduce-scatter
+    of the output) with, on the same group, torch-npu's all-gather-matmul and matmul-reduce-scatter
+    (CPU kernels that communicate over gloo) and, between them, npu_fusion_attention dropping with
+    keep_prob 0.9 beside a torch dropout: the gathers may move across the NPU collectives, the
+    NPU collectives keep their order with the reduce-scatter, the draws theirs."""
+    npu = torch.ops.npu
+    g = fx.Graph()
+    x, s0, s1, a, b = (g.placeholder(n) for n in ("x", "s0", "s1", "a", "b"))
+
+    def gather(shard):
+        wait = g.call_function(c10d.wait_tensor.default, (g.call_function(c10d.all_gather_into_tensor.default,
+                                                                           (shard, 2, "dp")),))
+        return g.call_function(aten.view.default, (wait, [8, 8]))
+
+    h = g.call_function(aten.mm.default, (x, gather(s0)))
+    agmm = g.call_function(npu.npu_all_gather_quant_mm.default, (a, b, "dp", 2))
+    tp = g.call_function(operator.getitem, (agmm, 0))
+    q = g.call_function(aten.view.default, (h, [1, 4, 8]))
+    att = g.call_function(operator.getitem, (g.call_function(npu.npu_fusion_attention.default,
+                                                             (q, q, q, 1, "BSH", None, None, None, 1.0, 0.9)), 0))
+    drop = g.call_function(operator.getitem, (g.call_function(aten.native_dropout.default, (tp, 0.5, True)), 0))
+    h2 = g.call_function(aten.add.Tensor, (g.call_function(aten.view.default, (att, [4, 8])), h))
+    y = g.call_function(aten.mm.default, (h2, gather(s1)))
+    rs = g.call_function(operator.getitem, (g.call_function(npu.npu_quant_mm_reduce_scatter.default,
+                                                            (drop, b, "dp", 2)), 0))
+    red = g.call_function(c10d.wait_tensor.default, (g.call_function(
+        c10d.reduce_scatter_tensor.default, (g.call_function(aten.view.default, (y, [32])), "sum", 2, "dp")),))
+    g.output((red, rs, y))
+    return fx.GraphModule(nn.Module(), g)
+
+
+def _npu_fsdp_feeds(rank):
+    gen = torch.Generator().manual_seed(20 + rank)
+    return [torch.randn(4, 8, generator=gen), torch.randn(32, generator=gen), torch.randn(32, generator=gen),
+            torch.randn(4, 8, generator=gen), torch.randn(8, 8, generator=gen)]
+
+
+def _run_orders_seeded(rank, world_size, build, groups, orders, pipelines, feeds):
+    """test_fronts_attack4's `_run_orders`, each run drawing from a generator seeded alike (its
+    graphs draw nothing): the graph as traced, in each of `orders`, scheduled by each of
+    `pipelines`, each on fresh short-timeout groups named `groups`; outputs or "hang: ..."."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    import fxsched
+    from fxsched.ir.program import Schedule
+    from fxsched.raising import raise_program
+
+    torch.set_num_threads(1)
+    gm = build(rank, world_size)
+    program = lower(gm)
+    modules = [gm]
+    for order in orders:
+        program.schedule = Schedule(order)
+        modules.append(raise_program(program))
+    modules += [fxsched.schedule(gm, p).graph_module for p in pipelines]
+    inputs, results = feeds(rank), []
+    for module in modules:
+        dist.barrier()
+        for group in groups:
+            pg = dist.new_group(list(range(world_size)), timeout=timedelta(seconds=HANG_SECONDS))
+            torch._C._distributed_c10d._register_process_group(group, pg)
+        try:
+            torch.manual_seed(0)
+            with torch.no_grad():
+                out = module(*[t.clone() for t in inputs])
+            results.append([t.detach() for t in (out if isinstance(out, (tuple, list)) else [out])])
+        except RuntimeError as exc:
+            results.append("hang: " + str(exc).splitlines()[0][:100])
+        finally:
+            for group in groups:
+                torch._C._distributed_c10d._unregister_process_group(group)
+    return results
+
+
+@pytest.mark.multirank
+def test_npu_collectives_and_draws_beside_fsdp_in_random_orders_and_every_pipeline_are_bitwise_on_two_ranks():
+    """FSDP gathers and a reduce-scatter on group "dp" with torch-npu's all-gather-matmul and
+    matmul-reduce-scatter on that group (communicating over gloo) and an npu_fusion_attention that
+    drops beside a torch dropout: 20 random legal orders and every pipeline compute the traced
+    graph's numbers on 2 gloo ranks and none hangs. With npu_fusion_attention read as pure (before
+the fix above), 8 of the 26 runs computed other numbers; nothing more found."""
+    from fxsched.runtime import run_ranks
+
+    from test_fronts_attack4 import _check, _legal_orders
+
+    program = lower(_npu_fsdp_build(0, 2))
+    assert program.op("npu_fusion_attention_default").random
+    orders = _legal_orders(program, most=0, shuffled=20)
+    results = run_ranks(_run_orders_seeded, 2, args=(_npu_fsdp_build, ("dp",), orders, ALL_PIPELINES, _npu_fsdp_feeds),
+                        timeout=1200)
+    _check(results, orders, ALL_PIPELINES)
+
+
 # --------------------------------------------------------------------------- dynamic shapes
-
-
-ALL_PIPELINES = ("reference", "default", "rewrite", "default,unshard", "default,bucket",
-                 "unorder-reduce-scatters,gradients-first,default")
-HANG_SECONDS = 10  # a collective of the harness's groups that waits longer has hung
 
 
 def _fresh_world(group_name: str):
