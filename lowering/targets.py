@@ -249,6 +249,24 @@ UNDECLARED_RANDOM = frozenset({"prims::inductor_random", "prims::inductor_randin
     "npu_fusion_attention", "npu_fusion_attention_v2", "npu_fusion_attention_v3", "npu_fused_attention_score",
     "npu_fused_attention_score_fwd")})
 
+#: A float argument of these names is a dropout probability (flash-attn's `dropout_p`, torch-npu's
+#: `keep_prob`): an op outside aten and prims (whose tags torch keeps) that takes one draws its mask
+#: from the generator (`torch.library.custom_op` tags nothing), unless it is given the state to
+#: replay (an argument named in `_REPLAYED_RNG`: flash-attn's backward's `rng_state`, torch-npu's
+#: grads' `seed` and `offset`). Read as random when p is 0 too: that only keeps its order.
+DROPOUT_ARGUMENTS = frozenset({"dropout_p", "keep_prob", "p_dropout", "dropout_prob", "attn_dropout"})
+_REPLAYED_RNG = frozenset({"rng_state", "seed", "offset", "philox_seed", "philox_offset", "seed_offset", "dropout_mask"})
+
+
+def _drops(schema) -> bool:
+    """An op outside aten and prims with a dropout probability argument and no generator state
+    given (`DROPOUT_ARGUMENTS`)."""
+    if schema.name.split("::")[0] in ("aten", "prims"):
+        return False
+    names = {a.name for a in schema.arguments}
+    return not names & _REPLAYED_RNG and any(a.name in DROPOUT_ARGUMENTS and str(a.type) == "float"
+                                             for a in schema.arguments)
+
 
 def _subgraphs(gm: fx.GraphModule, node: fx.Node) -> list[fx.GraphModule]:
     """The GraphModules a call is given (through `get_attr` nodes of `gm`)."""
@@ -473,7 +491,7 @@ def _classify(op: str, target) -> _Target:
                                                 or target is operator.getitem)),
         packet=call and isinstance(target, torch._ops.OpOverloadPacket),
         cast=schema is not None and schema.name in CAST_OPS,
-        random=(torch.Tag.nondeterministic_seeded in target.tags or schema.name in UNDECLARED_RANDOM
+        random=(torch.Tag.nondeterministic_seeded in target.tags or schema.name in UNDECLARED_RANDOM or _drops(schema)
                 if isinstance(target, torch._ops.OpOverload)
                 else isinstance(target, torch._ops.HigherOrderOperator) and target.name() in RNG_DRAWING_HOPS
                 or schema is None and (op == "call_method" or (call and module.split(".")[0] == "torch"))

@@ -11,7 +11,8 @@ nothing here) and a CPU implementation that behaves like the real one in the res
 random op draws from the global generator, a fused matmul-communication op runs its collective.
 
 Inputs: NPU random ops whose schema carries no `nondeterministic_seeded` tag (npu_fusion_attention
-before torch-npu tagged it in 2026, its _v2 and _v3, npu_fused_attention_score); NPU ops that run a
+before torch-npu tagged it in 2026, its _v2 and _v3, npu_fused_attention_score) and other libraries'
+attentions that drop (flash-attn's custom op); NPU ops that run a
 collective inside on an HCCL group named by a string (fused matmul + all-gather / reduce-scatter /
 all-to-all, MoE dispatch and combine, a barrier) beside functional collectives; torch.compile
 (dynamic=True) graphs of SimpleFSDP-style layers through fxsched's Inductor pass on 2 gloo ranks
@@ -145,6 +146,63 @@ def test_npu_attentions_that_drop_are_random_though_no_tag_says_so(kind):
     program = lower(gm)
     assert program.op(f"{kind}_default").random
     assert_every_legal_order_computes_the_same(gm, _npu_random_inputs())
+
+
+# --------------------------------------------------------------------------- other libraries' attentions that drop
+
+
+#: flash-attn's forward as it registers it (`torch.library.custom_op("flash_attn::_flash_attn_forward",
+#: mutates_args=())`: no tag), and its backward, which replays the `rng_state` the forward returned
+@torch.library.custom_op("flash_attn::_flash_attn_forward", mutates_args=())
+def _flash_attn_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float, softmax_scale: float,
+                        causal: bool, window_size_left: int, window_size_right: int, softcap: float,
+                        alibi_slopes: torch.Tensor | None, return_softmax: bool
+                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    out, mx, _, seed = _attention_draw(q, k, v, 1 - dropout_p)
+    return out, mx, torch.empty(0), torch.tensor([seed, 0])
+
+
+@_flash_attn_forward.register_fake
+def _(q, k, v, dropout_p, softmax_scale, causal, window_size_left, window_size_right, softcap, alibi_slopes,
+      return_softmax):
+    return torch.empty_like(q), q.new_empty(q.shape[:-1]), q.new_empty(0), torch.empty(2, dtype=torch.int64)
+
+
+@torch.library.custom_op("flash_attn::_flash_attn_backward", mutates_args=("dq",))
+def _flash_attn_backward(dout: torch.Tensor, q: torch.Tensor, dq: torch.Tensor, dropout_p: float,
+                         rng_state: torch.Tensor | None = None) -> torch.Tensor:
+    dq.copy_(dout * q)
+    return dq.sum()
+
+
+@_flash_attn_backward.register_fake
+def _(dout, q, dq, dropout_p, rng_state=None):
+    return dq.new_empty(())
+
+
+def _flash_step(q, k, v, x):
+    first = torch.nn.functional.dropout(x, 0.5)
+    out = torch.ops.flash_attn._flash_attn_forward(q, k, v, 0.1, 1.0, False, -1, -1, 0.0, None, False)
+    dq = torch.zeros_like(q)
+    torch.ops.flash_attn._flash_attn_backward(out[0], q, dq, 0.1, out[3])
+    return first, out[0], torch.bernoulli(torch.sigmoid(x)), dq
+
+
+def test_a_custom_attention_op_with_a_dropout_probability_is_random():
+    """flash-attn's `flash_attn::_flash_attn_forward(q, k, v, dropout_p, ...)` draws its dropout mask
+    from the generator and returns the state for its backward to replay; `torch.library.custom_op`
+    tags nothing, so it was pure: between two torch dropouts (make_fx, fake mode) 425 of 430 legal
+    orders drew other numbers. An op outside aten and prims with a float `dropout_p` / `keep_prob`
+    argument and no `rng_state` / `seed` / `offset` one is random now; its backward (given
+    `rng_state`) is not."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    inputs = _npu_random_inputs()
+    gm = make_fx(_flash_step, tracing_mode="fake")(*inputs)
+    program = lower(gm)
+    kinds = {program.op(n).target: program.op(n).random for n in program.schedule if "flash_attn" in n}
+    assert kinds == {"flash_attn._flash_attn_forward.default": True, "flash_attn._flash_attn_backward.default": False}
+    assert_every_legal_order_computes_the_same(gm, inputs)
 
 
 # --------------------------------------------------------------------------- NPU fused matmul-communication ops
