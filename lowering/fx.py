@@ -801,6 +801,12 @@ class _Lowering:
                 # same decisions on every rank (`bucket` packed 6 gathers on rank 0, 4 on rank 1)
                 alias = operands[0]
             return Cast.make(name, operands, phase, types, target=target, alias=alias)
+        # a call fxsched cannot see into (a Python function of no known module, a module not from
+        # torch.nn) may draw from the generator as it may write what it is given: ordered with the
+        # random ops too (two `torch.fx.wrap`'d `x + torch.randn_like(x)`, a leaf module's
+        # `rand_like` and a `torch.rand_like`: 213 of 240 legal orders drew other numbers). A
+        # higher-order op's subgraphs say (`draws_inside`).
+        random = random or (unknown and not isinstance(node.target, torch._ops.HigherOrderOperator))
         return Compute.make(name, operands, phase, types, target=target, heavy=info.heavy, attention=info.attention,
                             random=random, writes=writes, alias=alias, may_alias=may_alias)
 

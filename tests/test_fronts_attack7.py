@@ -12,8 +12,8 @@ random op draws from the global generator, a fused matmul-communication op runs 
 
 Inputs: NPU random ops whose schema carries no `nondeterministic_seeded` tag (npu_fusion_attention
 before torch-npu tagged it in 2026, its _v2 and _v3, npu_fused_attention_score) and other libraries'
-attentions that drop (flash-attn's custom op); NPU ops that run a
-collective inside on an HCCL group named by a string (fused matmul + all-gather / reduce-scatter /
+attentions that drop (flash-attn's custom op) and calls fxsched cannot see into that draw; NPU ops
+that run a collective inside on an HCCL group named by a string (fused matmul + all-gather / reduce-scatter /
 all-to-all, MoE dispatch and combine, a barrier) beside functional collectives; torch.compile
 (dynamic=True) graphs of SimpleFSDP-style layers through fxsched's Inductor pass on 2 gloo ranks
 (SymInt placeholders, `sym_size` nodes, parameters of static and of symbolic size) and make_fx
@@ -203,6 +203,50 @@ def test_a_custom_attention_op_with_a_dropout_probability_is_random():
     kinds = {program.op(n).target: program.op(n).random for n in program.schedule if "flash_attn" in n}
     assert kinds == {"flash_attn._flash_attn_forward.default": True, "flash_attn._flash_attn_backward.default": False}
     assert_every_legal_order_computes_the_same(gm, inputs)
+
+
+# --------------------------------------------------------------------------- calls fxsched cannot see into that draw
+
+
+def _noisy(x):
+    """A user's function symbolic_trace keeps as one call (`torch.fx.wrap`): it draws."""
+    return x + torch.randn_like(x)
+
+
+torch.fx.wrap("_noisy")
+
+
+class _Noise(nn.Module):
+    """A user's module (not torch.nn's) a tracer keeps as a leaf: it draws, and holds no state."""
+
+    def forward(self, x):
+        return x * torch.rand_like(x)
+
+
+class _Model(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.noise = _Noise()
+
+    def forward(self, x, y):
+        return _noisy(x), self.noise(y), _noisy(y * 2), torch.rand_like(x), torch.sin(x), y.cos()
+
+
+class _LeafTracer(fx.Tracer):
+    def is_leaf_module(self, m, name):
+        return isinstance(m, _Noise) or super().is_leaf_module(m, name)
+
+
+def test_calls_fxsched_cannot_see_into_keep_their_order_with_the_draws():
+    """A call fxsched cannot see into (a `torch.fx.wrap`'d function, a module not from torch.nn) was
+    taken to write what it is given, not to draw: two such calls drawing `randn_like` / `rand_like`
+    and a `torch.rand_like` were free to swap, and 213 of 240 legal orders drew other numbers. Such a
+    call is ordered with the random ops now (0 of 54)."""
+    model = _Model()
+    gm = fx.GraphModule(model, _LeafTracer().trace(model))
+    program = lower(gm)
+    assert all(program.op(n).random for n in program.schedule if n.startswith(("_noisy", "noise", "rand_like")))
+    assert_every_legal_order_computes_the_same(gm, [torch.randn(4), torch.randn(4)])
 
 
 # --------------------------------------------------------------------------- NPU fused matmul-communication ops
