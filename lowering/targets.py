@@ -419,14 +419,22 @@ def _distributed(module: str, short: str) -> bool:
 
 
 def collective_overload(target):
-    """The one overload of a functional collective's packet (dynamo's graphs call
-    `torch.ops._c10d_functional.wait_tensor`, no `.default`): the call runs it, so it is read as
-    that overload (a launch, a wait). Anything else: None."""
-    if not isinstance(target, torch._ops.OpOverloadPacket):
+    """The one overload of a collective's packet (dynamo's graphs call
+    `torch.ops._c10d_functional.wait_tensor`, `torch.ops.npu.npu_all_gather_base_mm`, no
+    `.default`): the call runs it, so it is read as that overload (a launch, a wait, a synchronous
+    collective). Anything else: None."""
+    if not isinstance(target, torch._ops.OpOverloadPacket) or target.overloads() != ["default"]:
         return None
-    if target._qualified_op_name.split("::")[0] not in COLLECTIVE_NAMESPACES or target.overloads() != ["default"]:
+    if (target._qualified_op_name.split("::")[0] not in COLLECTIVE_NAMESPACES
+            and not synchronous_collective(target.default._schema)):
         return None
     return target.default
+
+
+def _overload_random(op: torch._ops.OpOverload) -> bool:
+    """An overload that draws: tagged `nondeterministic_seeded`, `UNDECLARED_RANDOM`, or `_drops`."""
+    return (torch.Tag.nondeterministic_seeded in op.tags or op._schema.name in UNDECLARED_RANDOM
+            or _drops(op._schema))
 
 
 def _classify(op: str, target) -> _Target:
@@ -491,9 +499,12 @@ def _classify(op: str, target) -> _Target:
                                                 or target is operator.getitem)),
         packet=call and isinstance(target, torch._ops.OpOverloadPacket),
         cast=schema is not None and schema.name in CAST_OPS,
-        random=(torch.Tag.nondeterministic_seeded in target.tags or schema.name in UNDECLARED_RANDOM or _drops(schema)
-                if isinstance(target, torch._ops.OpOverload)
+        # a packet (`torch.ops.npu.npu_fusion_attention(...)`, as dynamo records what the user
+        # wrote) may run any of its overloads: random if one of them is
+        random=(_overload_random(target) if isinstance(target, torch._ops.OpOverload)
                 else isinstance(target, torch._ops.HigherOrderOperator) and target.name() in RNG_DRAWING_HOPS
+                or isinstance(target, torch._ops.OpOverloadPacket)
+                and any(_overload_random(getattr(target, o)) for o in target.overloads())
                 or schema is None and (op == "call_method" or (call and module.split(".")[0] == "torch"))
                 and _python_random(short)),
         clone=call and target is torch.ops.aten.clone.default,

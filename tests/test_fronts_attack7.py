@@ -12,7 +12,8 @@ random op draws from the global generator, a fused matmul-communication op runs 
 
 Inputs: NPU random ops whose schema carries no `nondeterministic_seeded` tag (npu_fusion_attention
 before torch-npu tagged it in 2026, its _v2 and _v3, npu_fused_attention_score) and other libraries'
-attentions that drop (flash-attn's custom op) and calls fxsched cannot see into that draw; NPU ops
+attentions that drop (flash-attn's custom op), calls fxsched cannot see into that draw, and such
+ops called by their packet (`torch.ops.npu.npu_fusion_attention(...)`, as dynamo records it); NPU ops
 that run a collective inside on an HCCL group named by a string (fused matmul + all-gather / reduce-scatter /
 all-to-all, MoE dispatch and combine, a barrier) beside functional collectives; torch.compile
 (dynamic=True) graphs of SimpleFSDP-style layers through fxsched's Inductor pass on 2 gloo ranks
@@ -445,6 +446,42 @@ the fix above), 8 of the 26 runs computed other numbers; nothing more found."""
     results = run_ranks(_run_orders_seeded, 2, args=(_npu_fsdp_build, ("dp",), orders, ALL_PIPELINES, _npu_fsdp_feeds),
                         timeout=1200)
     _check(results, orders, ALL_PIPELINES)
+
+
+# --------------------------------------------------------------------------- ops called by their packet
+
+
+def test_random_and_communicating_ops_called_by_their_packet_are_read_as_their_one_overload():
+    """Dynamo's graphs call an op as the user wrote it: `torch.ops.npu.npu_fusion_attention(...)`,
+    flash-attn's `torch.ops.flash_attn._flash_attn_forward(...)` (its `_wrapped_flash_attn_forward`),
+    no `.default`. Called so, the random ones were pure (no tag read: of the legal orders of
+    `_npu_random_graph` with packets, 62 of 105 drew other numbers with npu_fusion_attention, 104 of
+    205 with npu_fused_attention_score_fwd; 0 after) and the communicating ones compute, in no
+    collective order and missing from the agreement check. A packet whose one overload is
+    `default` is read as that overload for both now, as the functional collectives' were."""
+    from fxsched.ir import Opaque
+    from fxsched.runtime.agreement import collective_entries
+
+    for kind in ("npu_fusion_attention", "npu_fused_attention_score_fwd"):
+        gm = _npu_random_graph(kind)
+        for node in gm.graph.nodes:
+            if isinstance(node.target, torch._ops.OpOverload) and node.target.namespace == "npu":
+                node.target = node.target.overloadpacket
+        gm.recompile()
+        assert lower(gm).op(f"{kind}_default").random
+        assert_every_legal_order_computes_the_same(gm, _npu_random_inputs())
+    g = fx.Graph()
+    q, k, v = (g.placeholder(n) for n in "qkv")
+    g.output((g.call_function(torch.ops.flash_attn._flash_attn_forward, (q, k, v, 0.1, 1.0, False, -1, -1, 0.0, None,
+                                                                          False)),))
+    assert lower(fx.GraphModule(nn.Module(), g)).op("_flash_attn_forward").random
+    gm = _npu_comm_graph("npu_all_gather_quant_mm")
+    node = next(n for n in gm.graph.nodes if n.target is torch.ops.npu.npu_all_gather_quant_mm.default)
+    node.target = torch.ops.npu.npu_all_gather_quant_mm
+    gm.recompile()
+    op = lower(gm).op(node.name)
+    assert isinstance(op, Opaque) and op.reason == "synchronous collective"
+    assert [e["kind"].split(".")[1] for e in collective_entries(gm)] == ["all_reduce", "npu_all_gather_quant_mm", "all_reduce"]
 
 
 # --------------------------------------------------------------------------- dynamic shapes
