@@ -30,7 +30,7 @@ from ..ir.holds import BUCKET_WITHOUT_MEMBERS, NO_PARAMETER_NAME
 from .targets import (FUNCTIONAL_HOPS, P2P_BATCH, TRITON_FUNCTIONAL, TRITON_MUTATION, _MODULES_RETURNING_INPUT,
                       _PLAIN_ATTRIBUTES, _VIEW_ATTRIBUTES, _Target, _classify, _graph_draws, _graph_state, _graph_writes,
                       _random_module, _subgraphs, _updates_running_stats, _written_arguments, pads_first_dim_end,
-                      synchronous_collective, target_name, triton_written)
+                      runs_random_op, synchronous_collective, target_name, triton_written)
 
 GATHER_TAGS = {tags.ALL_GATHER: Role.GATHER, tags.ALL_GATHER_BACKWARD: Role.REGATHER}
 FREE_TAGS = (tags.RESHARD_FREE, tags.RESHARD_FREE_BACKWARD)
@@ -213,8 +213,9 @@ class _Lowering:
 
     def draws_inside(self, node: fx.Node) -> bool:
         """A higher-order op whose subgraph (`invoke_subgraph`, `cond`, ...: a GraphModule it is
-        given) draws from the RNG, at any depth: it is random as its random ops are."""
-        return any(_graph_draws(sub, self.target) for sub in _subgraphs(self.gm, node))
+        given) draws from the RNG, at any depth, or that runs an op it is given that draws
+        (`auto_functionalized(op, ...)`, `runs_random_op`): it is random as its random ops are."""
+        return runs_random_op(node) or any(_graph_draws(sub, self.target) for sub in _subgraphs(self.gm, node))
 
     def hop_writes(self, node: fx.Node) -> tuple[tuple[str, ...], str | None, bool]:
         """`writes` of a higher-order op: a user's triton kernel writes the tensors it is given;

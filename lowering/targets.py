@@ -279,6 +279,16 @@ def _subgraphs(gm: fx.GraphModule, node: fx.Node) -> list[fx.GraphModule]:
     return found
 
 
+def runs_random_op(node: fx.Node) -> bool:
+    """A higher-order op given an op that draws to run (`auto_functionalized(op, ...)`,
+    `auto_functionalized_v2`, `with_effects(token, op, ...)`: Inductor's post-grad graph keeps a
+    custom op that writes its input so until after its custom passes); not `run_with_rng_state`,
+    which runs it on the state it is given and puts the global one back (`RNG_DRAWING_HOPS`)."""
+    return node.target.name() != "run_with_rng_state" and any(
+        _classify("call_function", a).random for a in node.args
+        if isinstance(a, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)))
+
+
 def _graph_draws(gm: fx.GraphModule, target: Callable[[fx.Node], _Target]) -> bool:
     """Whether any call in `gm`, or in a subgraph of one, draws from the RNG (`target`: the
     lowering's classification of a call, cached per target)."""
@@ -288,7 +298,8 @@ def _graph_draws(gm: fx.GraphModule, target: Callable[[fx.Node], _Target]) -> bo
                 return True
         elif node.op in ("call_function", "call_method"):
             if target(node).random or (isinstance(node.target, torch._ops.HigherOrderOperator)
-                                       and any(_graph_draws(sub, target) for sub in _subgraphs(gm, node))):
+                                       and (runs_random_op(node)
+                                            or any(_graph_draws(sub, target) for sub in _subgraphs(gm, node)))):
                 return True
     return False
 

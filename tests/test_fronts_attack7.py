@@ -13,7 +13,8 @@ random op draws from the global generator, a fused matmul-communication op runs 
 Inputs: NPU random ops whose schema carries no `nondeterministic_seeded` tag (npu_fusion_attention
 before torch-npu tagged it in 2026, its _v2 and _v3, npu_fused_attention_score) and other libraries'
 attentions that drop (flash-attn's custom op), calls fxsched cannot see into that draw, and such
-ops called by their packet (`torch.ops.npu.npu_fusion_attention(...)`, as dynamo records it); NPU ops
+ops called by their packet (`torch.ops.npu.npu_fusion_attention(...)`, as dynamo records it) or
+wrapped by `auto_functionalized_v2` in Inductor's post-grad graph; NPU ops
 that run a collective inside on an HCCL group named by a string (fused matmul + all-gather / reduce-scatter /
 all-to-all, MoE dispatch and combine, a barrier) beside functional collectives; torch.compile
 (dynamic=True) graphs of SimpleFSDP-style layers through fxsched's Inductor pass on 2 gloo ranks
@@ -446,6 +447,55 @@ the fix above), 8 of the 26 runs computed other numbers; nothing more found."""
     results = run_ranks(_run_orders_seeded, 2, args=(_npu_fsdp_build, ("dp",), orders, ALL_PIPELINES, _npu_fsdp_feeds),
                         timeout=1200)
     _check(results, orders, ALL_PIPELINES)
+
+
+# --------------------------------------------------------------------------- a random op Inductor keeps functionalized
+
+
+@torch.library.custom_op("fxsched_attack7::dropout_add_", mutates_args=("x",))
+def _dropout_add_(x: torch.Tensor, y: torch.Tensor, dropout_p: float) -> None:
+    """A user's fused in-place dropout-add (random by its `dropout_p`: `_drops`)."""
+    x.add_(y * (torch.rand_like(y) >= dropout_p) / (1 - dropout_p))
+
+
+@_dropout_add_.register_fake
+def _(x, y, dropout_p):
+    return None
+
+
+def _dropout_add_model(a, b):
+    h = torch.nn.functional.dropout(torch.sin(a), 0.3, training=True)
+    acc = b.clone()
+    torch.ops.fxsched_attack7.dropout_add_(acc, torch.cos(a), 0.2)
+    return h + acc, torch.rand_like(b)
+
+
+def _compiled_dropout_add_graph() -> fx.GraphModule:
+    from test_fronts_attack5 import _Capture
+
+    capture = _Capture()
+    torch._dynamo.reset()
+    options = {"fallback_by_default": True, "fx_graph_cache": False, "post_grad_custom_post_pass": capture}
+    torch.compile(_dropout_add_model, backend="inductor", options=options)(torch.randn(4, 8), torch.randn(4, 8))
+    (gm,) = capture.graphs
+    return gm
+
+
+def test_a_random_custom_op_that_writes_is_random_inside_auto_functionalized():
+    """Inductor hands its post-grad custom passes a custom op that writes its input still wrapped:
+    `auto_functionalized_v2(fxsched_attack7.dropout_add_.default, ...)` (it reinplaces and
+    decomposes it after). The op draws (its `dropout_p`), but the wrapper was read as a functional
+    higher-order op: not random, free to move across Inductor's `inductor_seeds` and the
+    `inductor_random`s; 22 of 30 random legal orders drew other numbers run as FX (0 after). A higher-order
+    op given an op that draws (`auto_functionalized`, `_v2`, `with_effects`) is random now."""
+    from test_fronts_attack2 import assert_random_legal_orders_compute_the_same
+    from test_fronts_attack5 import _feeds
+
+    gm = _compiled_dropout_add_graph()
+    program = lower(gm)
+    (wrapped,) = [n for n in program.schedule if n.startswith("auto_functionalized")]
+    assert program.op(wrapped).random
+    assert_random_legal_orders_compute_the_same(gm, _feeds(gm, 0), count=30)
 
 
 # --------------------------------------------------------------------------- ops called by their packet
