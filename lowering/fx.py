@@ -30,7 +30,7 @@ from ..ir.holds import BUCKET_WITHOUT_MEMBERS, NO_PARAMETER_NAME
 from .targets import (FUNCTIONAL_HOPS, P2P_BATCH, TRITON_FUNCTIONAL, TRITON_MUTATION, _MODULES_RETURNING_INPUT,
                       _PLAIN_ATTRIBUTES, _VIEW_ATTRIBUTES, _Target, _classify, _graph_draws, _graph_state, _graph_writes,
                       _random_module, _subgraphs, _updates_running_stats, _written_arguments, pads_first_dim_end,
-                      runs_random_op, synchronous_collective, target_name, triton_written)
+                      runs_random_op, synchronous_collective, target_name, triton_written, wrapped_collective)
 
 GATHER_TAGS = {tags.ALL_GATHER: Role.GATHER, tags.ALL_GATHER_BACKWARD: Role.REGATHER}
 FREE_TAGS = (tags.RESHARD_FREE, tags.RESHARD_FREE_BACKWARD)
@@ -690,6 +690,15 @@ class _Lowering:
             return self.free(node, target, base)
         if info.collective:
             return self.collective(node, info, comm_type, base)
+        if isinstance(node.target, torch._ops.HigherOrderOperator):
+            wrapped, group = wrapped_collective(node)
+            if wrapped:
+                # the op it runs communicates (a symmetric-memory all-reduce that writes its input,
+                # functionalized): a synchronous collective, kept in place and in its group's order
+                self.notes.append(f"%{node.name}: {target} runs a collective: kept in place, in order with group "
+                                  f"{group!r}")
+                return Opaque.make(name, operands, phase, types, target=target, group=group,
+                                   reason="synchronous collective")
         if comm_type in GATHER_TAGS:
             self.notes.append(f"%{node.name}: comm_type={comm_type!r} on {target}, not a collective: ignored")
         if info.clone and meta.get(tags.BUCKET_COPY_OUT) is not None:

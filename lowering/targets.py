@@ -289,6 +289,19 @@ def runs_random_op(node: fx.Node) -> bool:
         if isinstance(a, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)))
 
 
+def wrapped_collective(node: fx.Node) -> tuple[bool, str | None]:
+    """(whether, group) a higher-order op runs an op it is given that communicates
+    (`auto_functionalized(symm_mem.two_shot_all_reduce_, input=x, reduce_op=..., group_name="tp")`:
+    a user's call of a symmetric-memory collective that writes its input, which Inductor's
+    post-grad graph keeps wrapped until after its custom passes): its `group_name` when given by
+    name as a string, else None (unknown)."""
+    for a in node.args:
+        if isinstance(a, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)) and _classify("call_function", a).collective:
+            group = node.kwargs.get("group_name")
+            return True, group if isinstance(group, str) else None
+    return False, None
+
+
 def _graph_draws(gm: fx.GraphModule, target: Callable[[fx.Node], _Target]) -> bool:
     """Whether any call in `gm`, or in a subgraph of one, draws from the RNG (`target`: the
     lowering's classification of a call, cached per target)."""

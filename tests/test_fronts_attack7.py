@@ -498,6 +498,50 @@ def test_a_random_custom_op_that_writes_is_random_inside_auto_functionalized():
     assert_random_legal_orders_compute_the_same(gm, _feeds(gm, 0), count=30)
 
 
+def _wrapped_all_reduce_graph(version: str) -> fx.GraphModule:
+    """A TP all-reduce, a user's `symm_mem.two_shot_all_reduce_(a, "sum", "tp")` as Inductor's
+    post-grad graph holds it (functionalized: `auto_functionalized` / `_v2`), then another
+    all-reduce of the group on something it does not read."""
+    import torch.distributed._symmetric_memory  # noqa: F401  (registers symm_mem::)
+
+    hops = torch.ops.higher_order
+    op = torch.ops.symm_mem.two_shot_all_reduce_.default
+    g = fx.Graph()
+    a, y = g.placeholder("a"), g.placeholder("y")
+    first = g.call_function(c10d.wait_tensor.default, (g.call_function(c10d.all_reduce.default, (y, "sum", "tp")),))
+    if version == "v1":
+        wrapped = g.call_function(hops.auto_functionalized, (op,), {"input": a, "reduce_op": "sum", "group_name": "tp"})
+    else:
+        wrapped = g.call_function(hops.auto_functionalized_v2, (op,), {"reduce_op": "sum", "group_name": "tp",
+                                                                        "_input_base_index": 0, "_all_bases": [a]})
+    out = g.call_function(operator.getitem, (wrapped, 1))
+    last = g.call_function(c10d.all_reduce.default, (g.call_function(aten.mul.Tensor, (y, 2)), "sum", "tp"))
+    g.output((first, g.call_function(aten.mul.Tensor, (out, 1)), g.call_function(c10d.wait_tensor.default, (last,))))
+    return fx.GraphModule(nn.Module(), g)
+
+
+@pytest.mark.parametrize("version", ["v1", "v2"])
+def test_a_functionalized_symmetric_memory_all_reduce_is_a_collective_of_its_group(version):
+    """`symm_mem::two_shot_all_reduce_` writes its input, so torch.compile functionalizes a user's
+    call of it: Inductor's post-grad custom passes see `auto_functionalized(_v2)(op, ...)`. The
+    wrapper was a functional higher-order op, compute: in no collective order (between two
+    all-reduces of its group, 244 of 392 legal orders moved it across one; 0 after). A higher-order op given a
+    collective to run is a synchronous collective of the `group_name` it passes now. (It needs
+    CUDA: structure only; the ranks' agreement check does not list it yet.)"""
+    import networkx as nx
+
+    import fxsched
+    from fxsched.ir import Opaque
+
+    program = lower(_wrapped_all_reduce_graph(version))
+    (name,) = [n for n in program.schedule if n.startswith("auto_functionalized")]
+    op = program.op(name)
+    assert isinstance(op, Opaque) and op.group == "tp" and op.reason == "synchronous collective"
+    orders = list(nx.all_topological_sorts(program.graph))
+    assert all(o.index("all_reduce_default") < o.index(name) < o.index("all_reduce_default_1") for o in orders)
+    assert fxsched.schedule(_wrapped_all_reduce_graph(version), "default").graph_module is not None
+
+
 # --------------------------------------------------------------------------- ops called by their packet
 
 
