@@ -317,6 +317,19 @@ def _graph_draws(gm: fx.GraphModule, target: Callable[[fx.Node], _Target]) -> bo
     return False
 
 
+def _graph_communicates(gm: fx.GraphModule, target: Callable[[fx.Node], _Target]) -> bool:
+    """Whether any call in `gm`, or in a subgraph of one, is a collective, a send or a receive (a
+    functional or synchronous collective, a c10d op, a Python call into torch.distributed)."""
+    for node in gm.graph.nodes:
+        if node.op in ("call_function", "call_method"):
+            info = target(node)
+            if (info.collective or info.side_effect or (info.schema is not None and info.schema.name.startswith("c10d::"))
+                    or (isinstance(node.target, torch._ops.HigherOrderOperator)
+                        and any(_graph_communicates(sub, target) for sub in _subgraphs(gm, node)))):
+                return True
+    return False
+
+
 # Python calls that set or read the generator's state (`torch.manual_seed(0)` between two draws)
 # (and a Generator's: `g.set_state(s)` between two draws from g)
 _RNG_STATE = frozenset({"manual_seed", "seed", "set_rng_state", "get_rng_state", "set_state", "get_state",

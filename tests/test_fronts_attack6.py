@@ -721,3 +721,54 @@ def test_a_node_tagged_barrier_keeps_what_its_result_aliases(mode):
     (barrier,) = [op for op in lower(gm).ops() if op.name == copy.name]
     assert barrier.reason == "tagged barrier" and barrier.alias == "x_1"
     assert_random_legal_orders_compute_the_same(gm, [torch.randn(4), torch.randn(4)], count=60)
+
+
+# --------------------------------------------------------------------------- collectives inside a higher-order op
+
+
+def _send_inside(rank, world_size):
+    """A ring step whose send (`isend` and its wait) is inside an `invoke_subgraph` (a region compiled
+    once, `nested_compile_region`), the receive and its wait outside, around it as traced."""
+    import operator
+
+    import torch.distributed._functional_collectives  # noqa: F401
+
+    c10d = torch.ops._c10d_functional
+    sub = fx.Graph()
+    kv = sub.placeholder("p0")
+    sub.call_function(c10d.wait_tensor.default, (sub.call_function(c10d.isend.default, (kv, (rank + 1) % world_size, 0,
+                                                                                          "cp")),))
+    sub.output((sub.call_function(aten.mul.Tensor, (kv, 2)),))
+    root = nn.Module()
+    root.send_region = fx.GraphModule(nn.Module(), sub)
+    g = fx.Graph()
+    q, kv = g.placeholder("q"), g.placeholder("kv")
+    recv = g.call_function(c10d.irecv.default, (g.call_function(aten.empty_like.default, (kv,)),
+                                                (rank - 1) % world_size, 0, "cp"))
+    region = g.call_function(torch.ops.higher_order.invoke_subgraph, (g.get_attr("send_region"), "send_region", kv))
+    acc = g.call_function(aten.mul.Tensor, (q, g.call_function(operator.getitem, (region, 0))))
+    out = g.call_function(aten.add.Tensor, (acc, g.call_function(c10d.wait_tensor.default, (recv,))))
+    g.output((out, g.call_function(torch.sin, (g.call_function(torch.ones, (3,)),))))
+    return fx.GraphModule(root, g)
+
+
+def _send_inside_feeds(rank):
+    return [torch.arange(4.0) + 1 + rank, torch.arange(4.0) * (rank + 2)]
+
+
+@pytest.mark.multirank
+def test_a_higher_order_op_with_a_send_inside_is_a_barrier_so_no_legal_order_hangs():
+    """A higher-order op whose subgraph sends (or runs any collective) was plain compute: the
+    point-to-point order (a receive's wait follows the sends traced before it) did not see the send
+    inside, so a legal order could wait for the receive before the op posted its send, or run the op
+    (whose send waits for the peer's receive) before the receive was posted: 11 of 12 random legal
+    orders hung on 2 gloo ranks. Such an op is now a barrier (`collective inside`): 0 hang."""
+    from fxsched.runtime import run_ranks
+
+    from test_fronts_attack4 import _check, _run_orders
+
+    program = lower(_send_inside(0, 2))
+    assert program.op("invoke_subgraph").reason == "collective inside"
+    orders = _random_orders(program, 6, 0)
+    results = run_ranks(_run_orders, 2, args=(_send_inside, ("cp",), orders, (), _send_inside_feeds), timeout=600)
+    _check(results, orders, ())
