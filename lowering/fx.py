@@ -29,9 +29,9 @@ from ..ir import tags
 from ..ir.holds import BUCKET_WITHOUT_MEMBERS, NO_PARAMETER_NAME
 from .targets import (FUNCTIONAL_HOPS, P2P_BATCH, TRITON_FUNCTIONAL, TRITON_MUTATION, _MODULES_RETURNING_INPUT,
                       _PLAIN_ATTRIBUTES, _VIEW_ATTRIBUTES, _Target, _classify, _graph_communicates, _graph_draws,
-                      _graph_state, _graph_writes, _random_module, _subgraphs, _updates_running_stats,
-                      _written_arguments, pads_first_dim_end, runs_random_op, synchronous_collective, target_name,
-                      triton_written, wrapped_collective)
+                      _graph_side_effect, _graph_state, _graph_writes, _random_module, _subgraphs,
+                      _updates_running_stats, _written_arguments, pads_first_dim_end, runs_random_op,
+                      synchronous_collective, target_name, triton_written, wrapped_collective)
 
 GATHER_TAGS = {tags.ALL_GATHER: Role.GATHER, tags.ALL_GATHER_BACKWARD: Role.REGATHER}
 FREE_TAGS = (tags.RESHARD_FREE, tags.RESHARD_FREE_BACKWARD)
@@ -774,6 +774,12 @@ class _Lowering:
             # `invoke_subgraph`): no collective or point-to-point order sees them, and a receive's wait
             # moved above the op, or the op above the receive, waits for a send no rank posts
             return Barrier.make(name, operands, phase, types, target=target, reason="collective inside",
+                                heavy=info.heavy, attention=info.attention, alias=barrier_alias, may_alias=may_alias)
+        if isinstance(node.target, torch._ops.HigherOrderOperator) and any(
+                _graph_side_effect(sub, self.target) for sub in _subgraphs(self.gm, node)):
+            # a side effect in its subgraph (`inductor.resize_storage_bytes_` freeing its input), a
+            # barrier in the graph itself: a read of that input could move past the free
+            return Barrier.make(name, operands, phase, types, target=target, reason="side effect inside",
                                 heavy=info.heavy, attention=info.attention, alias=barrier_alias, may_alias=may_alias)
         if (unknown or not writes) and not random and self.impure(node):
             return Barrier.make(name, operands, phase, types, target=target, reason="side effect",

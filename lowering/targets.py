@@ -330,6 +330,23 @@ def _graph_communicates(gm: fx.GraphModule, target: Callable[[fx.Node], _Target]
     return False
 
 
+def _graph_side_effect(gm: fx.GraphModule, target: Callable[[fx.Node], _Target]) -> bool:
+    """Whether any call in `gm`, or in a subgraph of one, is a side effect that would be a barrier in
+    the graph itself: side-effectful to torch.fx and writing nothing its schema says
+    (`inductor.resize_storage_bytes_` freeing its input, `accumulate_grad_`, a print), or a Python
+    call into torch.distributed."""
+    for node in gm.graph.nodes:
+        if node.op in ("call_function", "call_method"):
+            info = target(node)
+            if info.side_effect or (node.op == "call_function" and not (info.written or info.py_inplace or info.random)
+                                    and node.is_impure(impure_random=False)):
+                return True
+            if isinstance(node.target, torch._ops.HigherOrderOperator) and any(
+                    _graph_side_effect(sub, target) for sub in _subgraphs(gm, node)):
+                return True
+    return False
+
+
 # Python calls that set or read the generator's state (`torch.manual_seed(0)` between two draws)
 # (and a Generator's: `g.set_state(s)` between two draws from g)
 _RNG_STATE = frozenset({"manual_seed", "seed", "set_rng_state", "get_rng_state", "set_state", "get_state",
