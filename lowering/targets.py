@@ -319,13 +319,15 @@ def _graph_draws(gm: fx.GraphModule, target: Callable[[fx.Node], _Target]) -> bo
 
 def _graph_communicates(gm: fx.GraphModule, target: Callable[[fx.Node], _Target]) -> bool:
     """Whether any call in `gm`, or in a subgraph of one, is a collective, a send or a receive (a
-    functional or synchronous collective, a c10d op, a Python call into torch.distributed)."""
+    functional or synchronous collective, a c10d op, a Python call into torch.distributed, a
+    higher-order op given one to run: `wrapped_collective`)."""
     for node in gm.graph.nodes:
         if node.op in ("call_function", "call_method"):
             info = target(node)
             if (info.collective or info.side_effect or (info.schema is not None and info.schema.name.startswith("c10d::"))
                     or (isinstance(node.target, torch._ops.HigherOrderOperator)
-                        and any(_graph_communicates(sub, target) for sub in _subgraphs(gm, node)))):
+                        and (wrapped_collective(node)[0]
+                             or any(_graph_communicates(sub, target) for sub in _subgraphs(gm, node))))):
                 return True
     return False
 

@@ -14,7 +14,8 @@ Inputs: NPU random ops whose schema carries no `nondeterministic_seeded` tag (np
 before torch-npu tagged it in 2026, its _v2 and _v3, npu_fused_attention_score) and other libraries'
 attentions that drop (flash-attn's custom op), calls fxsched cannot see into that draw, and such
 ops called by their packet (`torch.ops.npu.npu_fusion_attention(...)`, as dynamo records it) or
-wrapped by `auto_functionalized_v2` in Inductor's post-grad graph; NPU ops
+wrapped by `auto_functionalized_v2` in Inductor's post-grad graph; collectives run inside a
+higher-order op (a functionalized symmetric-memory all-reduce, a region's subgraph); NPU ops
 that run a collective inside on an HCCL group named by a string (fused matmul + all-gather / reduce-scatter /
 all-to-all, MoE dispatch and combine, a barrier) beside functional collectives; torch.compile
 (dynamic=True) graphs of SimpleFSDP-style layers through fxsched's Inductor pass on 2 gloo ranks
@@ -540,6 +541,56 @@ def test_a_functionalized_symmetric_memory_all_reduce_is_a_collective_of_its_gro
     orders = list(nx.all_topological_sorts(program.graph))
     assert all(o.index("all_reduce_default") < o.index(name) < o.index("all_reduce_default_1") for o in orders)
     assert fxsched.schedule(_wrapped_all_reduce_graph(version), "default").graph_module is not None
+
+
+def _region_with_a_collective(groups: tuple[str, ...]) -> fx.GraphModule:
+    """A TP all-reduce, an `invoke_subgraph` (torch.compile's nested compile region, which post-grad
+    graphs keep) whose body all-reduces its input over each of `groups`, then another all-reduce
+    of "tp" on something the region does not read."""
+    import torch.distributed._symmetric_memory  # noqa: F401  (registers symm_mem::)
+
+    sub = fx.Graph()
+    h = sub.placeholder("a")
+    for group in groups:
+        if group == "wrapped":  # a functionalized symmetric-memory all-reduce of "tp" inside
+            h = sub.call_function(operator.getitem, (sub.call_function(
+                torch.ops.higher_order.auto_functionalized, (torch.ops.symm_mem.two_shot_all_reduce_.default,),
+                {"input": h, "reduce_op": "sum", "group_name": "tp"}), 1))
+        else:
+            h = sub.call_function(c10d.wait_tensor.default, (sub.call_function(c10d.all_reduce.default,
+                                                                               (h, "sum", group)),))
+    sub.output((h,))
+    root = nn.Module()
+    root.body = fx.GraphModule(nn.Module(), sub)
+    g = fx.Graph()
+    x, y = g.placeholder("x"), g.placeholder("y")
+    first = g.call_function(c10d.wait_tensor.default, (g.call_function(c10d.all_reduce.default, (y, "sum", "tp")),))
+    region = g.call_function(torch.ops.higher_order.invoke_subgraph, (g.get_attr("body"), "body", x))
+    out = g.call_function(operator.getitem, (region, 0))
+    last = g.call_function(c10d.all_reduce.default, (g.call_function(aten.mul.Tensor, (y, 2)), "sum", "tp"))
+    g.output((first, out, g.call_function(c10d.wait_tensor.default, (last,))))
+    return fx.GraphModule(root, g)
+
+
+@pytest.mark.parametrize("groups", [("tp",), ("tp", "dp"), ("wrapped",)])
+def test_a_region_whose_subgraph_all_reduces_keeps_its_place_among_its_groups_collectives(groups):
+    """A higher-order op whose subgraph all-reduces (`invoke_subgraph` of a nested compile region)
+    was compute, in no collective order: between two all-reduces of its group 232 of 392 legal
+    orders moved the region across one (found here at the same time as tests/test_fronts_attack6.py
+    found a send inside one hanging; its fix, a barrier, `collective inside`, keeps this order too:
+    pinned here for the collective order). A region whose subgraph runs a functionalized collective
+    (`auto_functionalized(symm_mem.two_shot_all_reduce_, ...)`) was still compute (the same 232 of
+    392); it is such a barrier too."""
+    import networkx as nx
+
+    import fxsched
+
+    program = lower(_region_with_a_collective(groups))
+    assert program.op("invoke_subgraph").reason == "collective inside"
+    orders = list(nx.all_topological_sorts(program.graph))
+    assert all(o.index("all_reduce_default") < o.index("invoke_subgraph") < o.index("all_reduce_default_1")
+               for o in orders)
+    assert fxsched.schedule(_region_with_a_collective(groups), "default").graph_module is not None
 
 
 # --------------------------------------------------------------------------- ops called by their packet
