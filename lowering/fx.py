@@ -29,7 +29,7 @@ from ..ir import tags
 from ..ir.holds import BUCKET_WITHOUT_MEMBERS, NO_PARAMETER_NAME
 from .targets import (FUNCTIONAL_HOPS, P2P_BATCH, TRITON_FUNCTIONAL, TRITON_MUTATION, _MODULES_RETURNING_INPUT,
                       _PLAIN_ATTRIBUTES, _VIEW_ATTRIBUTES, _Target, _classify, _graph_communicates, _graph_draws,
-                      _graph_side_effect, _graph_state, _graph_writes, _random_module, _subgraphs,
+                      _graph_side_effect, _graph_state, _graph_tensors, _graph_writes, _random_module, _subgraphs,
                       _updates_running_stats, _written_arguments, pads_first_dim_end, runs_random_op,
                       synchronous_collective, target_name, triton_written, wrapped_collective)
 
@@ -816,6 +816,14 @@ class _Lowering:
             several = self.one_of.pop(name, ())
             if several and not self.covered(node):
                 may_alias = tuple(dict.fromkeys((*may_alias, *several)))
+        if isinstance(node.target, torch._ops.HigherOrderOperator):
+            # its subgraph reads tensors of its own (make_fx's constant for a buffer a `cond` branch
+            # closes over) that no operand names: a barrier where a get_attr of the graph writes one
+            # (`_module_state_barriers`), as a called module reading its state is
+            state = frozenset(k for sub in _subgraphs(self.gm, node) for k in map(_storage_key, _graph_tensors(sub))
+                              if k is not None)
+            if state:
+                self.module_calls.append((name, state))
         if (info.cast or pads_first_dim_end(node)) and not writes:
             if alias is None and self.pads_for_gather(node):
                 # the shard as gathered: a rank whose shard is whole gathers it as it is (no pad),
@@ -1079,8 +1087,9 @@ def _rebind(ops: list[Op], rebinds: set[str], same: dict[str, str]) -> tuple[lis
 
 def _module_state_barriers(ops: list[Op], lowering: _Lowering) -> None:
     """Make a barrier of each call_module whose module's state a get_attr of the graph writes
-    (`self.lin(x)` and `self.lin.weight.add_(1)`): no operand names what the call reads, so it
-    was free to cross the write. In place in `ops`."""
+    (`self.lin(x)` and `self.lin.weight.add_(1)`), and of each higher-order op whose subgraph reads
+    such a tensor of its own: no operand names what the call reads, so it was free to cross the
+    write. Its result keeps what it aliases. In place in `ops`."""
     attribute = lowering.attribute_storage
     roots: dict[str, str] = {}
     written: set[int] = set()
@@ -1095,10 +1104,10 @@ def _module_state_barriers(ops: list[Op], lowering: _Lowering) -> None:
     calls = {name: state for name, state in lowering.module_calls if state & written}
     for at, op in enumerate(ops):
         if op.name in calls:
-            lowering.notes.append(f"%{op.name}: the module it calls has state a get_attr of the graph writes: "
+            lowering.notes.append(f"%{op.name}: the module it calls (or its subgraph) reads state a get_attr of the graph writes: "
                                   "kept as a barrier")
             ops[at] = Barrier.make(op.name, op.operands, op.phase, op.types, target=op.target, reason="module state",
-                                   heavy=op.heavy, attention=op.attention)
+                                   heavy=op.heavy, attention=op.attention, alias=op.alias, may_alias=op.may_alias)
 
 
 def lower(gm: fx.GraphModule) -> Program:

@@ -390,6 +390,18 @@ def _graph_state(gm: fx.GraphModule) -> bool:
     return False
 
 
+def _graph_tensors(gm: fx.GraphModule) -> list[torch.Tensor]:
+    """The tensor attributes `gm`, or a subgraph of it, reads (its get_attrs)."""
+    found = []
+    for node in gm.graph.find_nodes(op="get_attr"):
+        value = attrgetter(node.target)(gm)
+        if isinstance(value, torch.Tensor):
+            found.append(value)
+        elif isinstance(value, fx.GraphModule):
+            found += _graph_tensors(value)
+    return found
+
+
 def _graph_writes(gm: fx.GraphModule, target: Callable[[fx.Node], _Target]) -> bool:
     """Whether any call in `gm`, or in a subgraph of one, writes a tensor in place."""
     for node in gm.graph.nodes:

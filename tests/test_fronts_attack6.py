@@ -810,3 +810,37 @@ def test_a_higher_order_op_with_a_side_effect_inside_is_a_barrier():
     from test_fronts_attack2 import assert_random_legal_orders_compute_the_same
 
     assert_random_legal_orders_compute_the_same(gm, [torch.rand(4) + 1], count=10)
+
+
+def test_a_higher_order_op_reading_a_tensor_of_its_own_that_the_graph_writes_is_a_barrier():
+    """A subgraph that reads a tensor attribute of its own (make_fx's constant for a buffer a branch
+    closes over), the same tensor the outer graph writes through its get_attr (`buf.add_(1)`): no
+    operand names what the op reads, so it crossed the write (19 of 30 random legal orders computed
+    other numbers). It is now a barrier where the graph writes one of its tensors (`module state`,
+    as a called module reading its state is); one whose tensors nothing writes is not."""
+    import operator
+
+    from test_fronts_attack2 import assert_random_legal_orders_compute_the_same
+
+    for written in (True, False):
+        buffer = torch.randn(4)
+        holder = nn.Module()
+        holder.buf = buffer
+        sub = fx.Graph()
+        p = sub.placeholder("p0")
+        sub.output((sub.call_function(aten.mul.Tensor, (p, sub.get_attr("buf"))),))
+        root = nn.Module()
+        root.region, root.buf = fx.GraphModule(holder, sub), buffer
+        g = fx.Graph()
+        x = g.placeholder("x")
+        region = g.call_function(torch.ops.higher_order.invoke_subgraph, (g.get_attr("region"), "region", x))
+        outer = g.get_attr("buf")
+        if written:
+            g.call_function(aten.add_.Tensor, (outer, 1))
+        g.output((g.call_function(operator.getitem, (region, 0)), g.call_function(aten.mul.Tensor, (outer, 2)),
+                  g.call_function(aten.sin.default, (x,))))
+        gm = fx.GraphModule(root, g)
+        assert gm.region.buf is gm.buf
+        op = lower(gm).op("invoke_subgraph")
+        assert (getattr(op, "reason", None) == "module state") is written
+        assert_random_legal_orders_compute_the_same(gm, [torch.randn(4)], count=30)
