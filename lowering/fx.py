@@ -768,18 +768,22 @@ class _Lowering:
         # around a view or an in-place op of its input): nothing crosses the barrier, but reads of
         # the result after it order with writes of that input after it only through the alias
         barrier_alias = None if may_alias else (self.shared(node) or alias)
-        if isinstance(node.target, torch._ops.HigherOrderOperator) and any(
-                _graph_communicates(sub, self.target) for sub in _subgraphs(self.gm, node)):
-            # collectives, sends or receives in its subgraph (a send and its wait in an
-            # `invoke_subgraph`): no collective or point-to-point order sees them, and a receive's wait
-            # moved above the op, or the op above the receive, waits for a send no rank posts
-            return Barrier.make(name, operands, phase, types, target=target, reason="collective inside",
-                                heavy=info.heavy, attention=info.attention, alias=barrier_alias, may_alias=may_alias)
-        if isinstance(node.target, torch._ops.HigherOrderOperator) and any(
-                _graph_side_effect(sub, self.target) for sub in _subgraphs(self.gm, node)):
-            # a side effect in its subgraph (`inductor.resize_storage_bytes_` freeing its input), a
-            # barrier in the graph itself: a read of that input could move past the free
-            return Barrier.make(name, operands, phase, types, target=target, reason="side effect inside",
+        # the graphs it runs: a higher-order op's subgraphs, a called GraphModule (`split_module`'s stage)
+        inner = (_subgraphs(self.gm, node) if isinstance(node.target, torch._ops.HigherOrderOperator)
+                 else [self.gm.get_submodule(node.target)] if kind == "call_module"
+                 and isinstance(self.gm.get_submodule(node.target), fx.GraphModule) else [])
+        # collectives, sends or receives in it (a send and its wait in an `invoke_subgraph`): no
+        # collective or point-to-point order sees them, and a receive's wait moved above the op, or the
+        # op above the receive, waits for a send no rank posts. A side effect in it
+        # (`inductor.resize_storage_bytes_` freeing its input), a barrier in the graph itself: a read
+        # of that input could move past the free
+        why = ("collective inside" if any(_graph_communicates(sub, self.target) for sub in inner)
+               else "side effect inside" if any(_graph_side_effect(sub, self.target) for sub in inner) else None)
+        if why is not None:
+            if kind == "call_module" and barrier_alias is None and not may_alias:
+                barrier_alias = self.hop_alias(node, inner)
+                may_alias = () if barrier_alias is not None else self.one_of.pop(name, ())
+            return Barrier.make(name, operands, phase, types, target=target, reason=why,
                                 heavy=info.heavy, attention=info.attention, alias=barrier_alias, may_alias=may_alias)
         if (unknown or not writes) and not random and self.impure(node):
             return Barrier.make(name, operands, phase, types, target=target, reason="side effect",

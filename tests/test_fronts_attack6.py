@@ -726,9 +726,10 @@ def test_a_node_tagged_barrier_keeps_what_its_result_aliases(mode):
 # --------------------------------------------------------------------------- collectives inside a higher-order op
 
 
-def _send_inside(rank, world_size):
+def _send_inside(rank, world_size, module=False):
     """A ring step whose send (`isend` and its wait) is inside an `invoke_subgraph` (a region compiled
-    once, `nested_compile_region`), the receive and its wait outside, around it as traced."""
+    once, `nested_compile_region`) or, `module`, a called GraphModule (`split_module`'s stage), the
+    receive and its wait outside, around it as traced."""
     import operator
 
     import torch.distributed._functional_collectives  # noqa: F401
@@ -745,7 +746,10 @@ def _send_inside(rank, world_size):
     q, kv = g.placeholder("q"), g.placeholder("kv")
     recv = g.call_function(c10d.irecv.default, (g.call_function(aten.empty_like.default, (kv,)),
                                                 (rank - 1) % world_size, 0, "cp"))
-    region = g.call_function(torch.ops.higher_order.invoke_subgraph, (g.get_attr("send_region"), "send_region", kv))
+    if module:
+        region = g.call_function(operator.getitem, (g.call_module("send_region", (kv,)), 0))
+    else:
+        region = g.call_function(torch.ops.higher_order.invoke_subgraph, (g.get_attr("send_region"), "send_region", kv))
     acc = g.call_function(aten.mul.Tensor, (q, g.call_function(operator.getitem, (region, 0))))
     out = g.call_function(aten.add.Tensor, (acc, g.call_function(c10d.wait_tensor.default, (recv,))))
     g.output((out, g.call_function(torch.sin, (g.call_function(torch.ones, (3,)),))))
@@ -757,20 +761,25 @@ def _send_inside_feeds(rank):
 
 
 @pytest.mark.multirank
-def test_a_higher_order_op_with_a_send_inside_is_a_barrier_so_no_legal_order_hangs():
+@pytest.mark.parametrize("module", [False, True], ids=["invoke_subgraph", "graph-module-stage"])
+def test_a_higher_order_op_with_a_send_inside_is_a_barrier_so_no_legal_order_hangs(module):
     """A higher-order op whose subgraph sends (or runs any collective) was plain compute: the
     point-to-point order (a receive's wait follows the sends traced before it) did not see the send
     inside, so a legal order could wait for the receive before the op posted its send, or run the op
     (whose send waits for the peer's receive) before the receive was posted: 11 of 12 random legal
-    orders hung on 2 gloo ranks. Such an op is now a barrier (`collective inside`): 0 hang."""
+    orders hung on 2 gloo ranks. Such an op is now a barrier (`collective inside`): 0 hang. A called
+    GraphModule (taken to write what it is given, so never moved above the receive) likewise."""
+    import functools
+
     from fxsched.runtime import run_ranks
 
     from test_fronts_attack4 import _check, _run_orders
 
-    program = lower(_send_inside(0, 2))
-    assert program.op("invoke_subgraph").reason == "collective inside"
+    build = functools.partial(_send_inside, module=module)
+    program = lower(build(0, 2))
+    assert program.op("send_region" if module else "invoke_subgraph").reason == "collective inside"
     orders = _random_orders(program, 6, 0)
-    results = run_ranks(_run_orders, 2, args=(_send_inside, ("cp",), orders, (), _send_inside_feeds), timeout=600)
+    results = run_ranks(_run_orders, 2, args=(build, ("cp",), orders, (), _send_inside_feeds), timeout=600)
     _check(results, orders, ())
 
 
