@@ -42,12 +42,13 @@ def _legal_orders(program, most: int = 400, shuffled: int = 30) -> list[list[str
         _random_orders(program, shuffled, 0)
 
 
-def _run_orders(rank, world_size, build, groups, orders, pipelines, feeds):
+def _run_orders(rank, world_size, build, groups, orders, pipelines, feeds, seed=None):
     """On one rank: its graph (`build(rank, world_size)`), run as traced, then in each of `orders`
     (schedules of its lowered program, by op name: the same on every rank) and scheduled by each of
     `pipelines`. Each run gets fresh gloo groups of all ranks, registered under the names `groups`, whose
     collectives give up after HANG_SECONDS: a run that hangs is recorded as "hang", and the next
-    starts clean. Returns the outputs of each run (or "hang")."""
+    starts clean. `seed`: the global generator is seeded with it before each run (for graphs that
+    draw). Returns the outputs of each run (or "hang")."""
     import torch.distributed as dist
 
     torch.set_num_threads(1)
@@ -66,6 +67,8 @@ def _run_orders(rank, world_size, build, groups, orders, pipelines, feeds):
             pg = dist.new_group(list(range(world_size)), timeout=timedelta(seconds=HANG_SECONDS))
             torch._C._distributed_c10d._register_process_group(group, pg)
         try:
+            if seed is not None:
+                torch.manual_seed(seed)
             with torch.no_grad():
                 out = module(*[t.clone() for t in inputs])
             results.append([t.detach() for t in (out if isinstance(out, (tuple, list)) else [out])])

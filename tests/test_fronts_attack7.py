@@ -392,45 +392,6 @@ def _npu_fsdp_feeds(rank):
             torch.randn(4, 8, generator=gen), torch.randn(8, 8, generator=gen)]
 
 
-def _run_orders_seeded(rank, world_size, build, groups, orders, pipelines, feeds):
-    """test_fronts_attack4's `_run_orders`, each run drawing from a generator seeded alike (its
-    graphs draw nothing): the graph as traced, in each of `orders`, scheduled by each of
-    `pipelines`, each on fresh short-timeout groups named `groups`; outputs or "hang: ..."."""
-    from datetime import timedelta
-
-    import torch.distributed as dist
-
-    import fxsched
-    from fxsched.ir.program import Schedule
-    from fxsched.raising import raise_program
-
-    torch.set_num_threads(1)
-    gm = build(rank, world_size)
-    program = lower(gm)
-    modules = [gm]
-    for order in orders:
-        program.schedule = Schedule(order)
-        modules.append(raise_program(program))
-    modules += [fxsched.schedule(gm, p).graph_module for p in pipelines]
-    inputs, results = feeds(rank), []
-    for module in modules:
-        dist.barrier()
-        for group in groups:
-            pg = dist.new_group(list(range(world_size)), timeout=timedelta(seconds=HANG_SECONDS))
-            torch._C._distributed_c10d._register_process_group(group, pg)
-        try:
-            torch.manual_seed(0)
-            with torch.no_grad():
-                out = module(*[t.clone() for t in inputs])
-            results.append([t.detach() for t in (out if isinstance(out, (tuple, list)) else [out])])
-        except RuntimeError as exc:
-            results.append("hang: " + str(exc).splitlines()[0][:100])
-        finally:
-            for group in groups:
-                torch._C._distributed_c10d._unregister_process_group(group)
-    return results
-
-
 @pytest.mark.multirank
 def test_npu_collectives_and_draws_beside_fsdp_in_random_orders_and_every_pipeline_are_bitwise_on_two_ranks():
     """FSDP gathers and a reduce-scatter on group "dp" with torch-npu's all-gather-matmul and
@@ -440,12 +401,12 @@ def test_npu_collectives_and_draws_beside_fsdp_in_random_orders_and_every_pipeli
 the fix above), 8 of the 26 runs computed other numbers; nothing more found."""
     from fxsched.runtime import run_ranks
 
-    from test_fronts_attack4 import _check, _legal_orders
+    from test_fronts_attack4 import _check, _legal_orders, _run_orders
 
     program = lower(_npu_fsdp_build(0, 2))
     assert program.op("npu_fusion_attention_default").random
     orders = _legal_orders(program, most=0, shuffled=20)
-    results = run_ranks(_run_orders_seeded, 2, args=(_npu_fsdp_build, ("dp",), orders, ALL_PIPELINES, _npu_fsdp_feeds),
+    results = run_ranks(_run_orders, 2, args=(_npu_fsdp_build, ("dp",), orders, ALL_PIPELINES, _npu_fsdp_feeds, 0),
                         timeout=1200)
     _check(results, orders, ALL_PIPELINES)
 

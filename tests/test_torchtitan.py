@@ -98,18 +98,25 @@ def test_bad_pipeline_fails_when_the_pass_is_made():
 # --------------------------------------------------------------------------- torchtitan's llama3 on 2 gloo ranks
 
 
-def _titan_worker(rank, world_size, layers, pipeline):
+def _traced_step(world_size, layers):
+    """On one rank: llama3's debug model under SimpleFSDP over all ranks, its step traced and
+    rematerialised: (model, inputs, the traced step, its node names, its outputs as traced)."""
     from torch.distributed.device_mesh import init_device_mesh
     from titan import build_llama3, rematerialise, run_step, trace_step
-
-    from fxsched.integrations.torchtitan import param_names
 
     torch.set_num_threads(1)
     mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("fsdp",))
     model, inputs = build_llama3(mesh, layers=layers)
     traced = rematerialise(trace_step(model, inputs))
-    before = [n.name for n in traced.gm.graph.nodes]
-    plain = run_step(traced, model, inputs)
+    return model, inputs, traced, [n.name for n in traced.gm.graph.nodes], run_step(traced, model, inputs)
+
+
+def _titan_worker(rank, world_size, layers, pipeline):
+    from titan import run_step
+
+    from fxsched.integrations.torchtitan import param_names
+
+    model, inputs, traced, before, plain = _traced_step(world_size, layers)
     ours = fxsched_pass(pipeline, names=param_names(traced))
     traced.gm = ours(traced.gm, traced.example_inputs)
     after = [n.name for n in traced.gm.graph.nodes]
@@ -157,20 +164,14 @@ def _titan_group_worker(rank, world_size, layers):
 
     import torch.distributed as dist
 
-    from torch.distributed.device_mesh import init_device_mesh
-    from titan import build_llama3, rematerialise, run_step, trace_step
+    from titan import run_step
     from torchtitan.experiments.graph_trainer.passes import apply_graph_passes
     from torchtitan.experiments.graph_trainer.registry import PASS_PIPELINE_REGISTRY
 
     from fxsched.integrations.torchtitan import register
     from fxsched.runtime.agreement import check_ranks_agree, collective_entries
 
-    torch.set_num_threads(1)
-    mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("fsdp",))
-    model, inputs = build_llama3(mesh, layers=layers)
-    traced = rematerialise(trace_step(model, inputs))
-    before = [n.name for n in traced.gm.graph.nodes]
-    plain = run_step(traced, model, inputs)
+    model, inputs, traced, before, plain = _traced_step(world_size, layers)
     # the ranks' group, its collectives given up after 2 minutes (a rank left waiting fails the test sooner)
     group = dist.new_group(list(range(world_size)), timeout=timedelta(seconds=120))
     name = register("fxsched-group-test", "default", group=group)
