@@ -11,8 +11,8 @@ nodes), the cases interleaved: the machine may be shared.
 
 Each row records a hash of the scheduled module's code (the schedule, byte for byte).
 Writes bench/out/dropin.{json,md}. Goal (issue 15): drop-in <= 2x one recompile at 18k and
-100k nodes. Latest run (main 5e61dec, 2026-12-05 01:26 UTC, 2-core AMD EPYC machine,
-nothing else running, --repeat 5): 1.65x at 18k and 1.75x at 100k, met (README, "Speed";
+100k nodes. Latest run (main e99fb11, 2026-12-05 04:12 UTC, 2-core AMD EPYC machine,
+nothing else running, --repeat 5): 1.70x at 18k and 1.76x at 100k, met (README, "Speed";
 history in docs/benchmarks.md).
 """
 

@@ -16,10 +16,10 @@ change made for speed can be checked to leave every schedule byte-identical.
 
 Writes bench/out/pipeline.{json,md}. Goals (issue 15), measured in the same run:
 reference and default pipelines at 100k nodes <= 0.75x FX's copy + lint + recompile, and
-time(100k) / time(10k) <= 12 for both. Latest run (main 26d7f27, 2026-12-05 01:10 UTC, 2-core
+time(100k) / time(10k) <= 12 for both. Latest run (main a735866, 2026-12-05 04:00 UTC, 2-core
 AMD EPYC machine, nothing else running, --no-memory --repeat 5): at 100k 0.47x (reference) and 0.62x
-(default) of FX's 5.74 s, met; growth 12.90 / 13.19, not met (13.29 / 13.02 at the round's start;
-the same code has read from 11.9 to 16.4: README, "Speed"; history in docs/benchmarks.md).
+(default) of FX's 5.94 s, met; growth 12.6 / 13.26, not met (12.27 / 13.91 at the round's start;
+the same code has read from 11.9 to 16.4: README, "Speed"; why, and history in docs/benchmarks.md).
 """
 
 from __future__ import annotations
