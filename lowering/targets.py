@@ -302,34 +302,39 @@ def wrapped_collective(node: fx.Node) -> tuple[bool, str | None]:
     return False, None
 
 
+def _any_call(gm: fx.GraphModule, test: Callable[[fx.GraphModule, fx.Node], bool]) -> bool:
+    """Whether `test(gm, node)` holds for a node of `gm`, or of a subgraph of one of its
+    higher-order ops, at any depth (what `_graph_draws`, `_graph_communicates`,
+    `_graph_side_effect` and `_graph_writes` ask of each call)."""
+    for node in gm.graph.nodes:
+        if test(gm, node) or (isinstance(node.target, torch._ops.HigherOrderOperator)
+                              and any(_any_call(sub, test) for sub in _subgraphs(gm, node))):
+            return True
+    return False
+
+
 def _graph_draws(gm: fx.GraphModule, target: Callable[[fx.Node], _Target]) -> bool:
     """Whether any call in `gm`, or in a subgraph of one, draws from the RNG (`target`: the
     lowering's classification of a call, cached per target)."""
-    for node in gm.graph.nodes:
+    def draws(gm: fx.GraphModule, node: fx.Node) -> bool:
         if node.op == "call_module":
-            if _random_module(gm.get_submodule(node.target)):
-                return True
-        elif node.op in ("call_function", "call_method"):
-            if target(node).random or (isinstance(node.target, torch._ops.HigherOrderOperator)
-                                       and (runs_random_op(node)
-                                            or any(_graph_draws(sub, target) for sub in _subgraphs(gm, node)))):
-                return True
-    return False
+            return _random_module(gm.get_submodule(node.target))
+        return node.op in ("call_function", "call_method") and (
+            target(node).random or (isinstance(node.target, torch._ops.HigherOrderOperator) and runs_random_op(node)))
+    return _any_call(gm, draws)
 
 
 def _graph_communicates(gm: fx.GraphModule, target: Callable[[fx.Node], _Target]) -> bool:
     """Whether any call in `gm`, or in a subgraph of one, is a collective, a send or a receive (a
     functional or synchronous collective, a c10d op, a Python call into torch.distributed, a
     higher-order op given one to run: `wrapped_collective`)."""
-    for node in gm.graph.nodes:
-        if node.op in ("call_function", "call_method"):
-            info = target(node)
-            if (info.collective or info.side_effect or (info.schema is not None and info.schema.name.startswith("c10d::"))
-                    or (isinstance(node.target, torch._ops.HigherOrderOperator)
-                        and (wrapped_collective(node)[0]
-                             or any(_graph_communicates(sub, target) for sub in _subgraphs(gm, node))))):
-                return True
-    return False
+    def communicates(gm: fx.GraphModule, node: fx.Node) -> bool:
+        if node.op not in ("call_function", "call_method"):
+            return False
+        info = target(node)
+        return (info.collective or info.side_effect or (info.schema is not None and info.schema.name.startswith("c10d::"))
+                or (isinstance(node.target, torch._ops.HigherOrderOperator) and wrapped_collective(node)[0]))
+    return _any_call(gm, communicates)
 
 
 def _graph_side_effect(gm: fx.GraphModule, target: Callable[[fx.Node], _Target]) -> bool:
@@ -337,16 +342,13 @@ def _graph_side_effect(gm: fx.GraphModule, target: Callable[[fx.Node], _Target])
     the graph itself: side-effectful to torch.fx and writing nothing its schema says
     (`inductor.resize_storage_bytes_` freeing its input, `accumulate_grad_`, a print), or a Python
     call into torch.distributed."""
-    for node in gm.graph.nodes:
-        if node.op in ("call_function", "call_method"):
-            info = target(node)
-            if info.side_effect or (node.op == "call_function" and not (info.written or info.py_inplace or info.random)
-                                    and node.is_impure(impure_random=False)):
-                return True
-            if isinstance(node.target, torch._ops.HigherOrderOperator) and any(
-                    _graph_side_effect(sub, target) for sub in _subgraphs(gm, node)):
-                return True
-    return False
+    def side_effect(gm: fx.GraphModule, node: fx.Node) -> bool:
+        if node.op not in ("call_function", "call_method"):
+            return False
+        info = target(node)
+        return info.side_effect or (node.op == "call_function" and not (info.written or info.py_inplace or info.random)
+                                    and node.is_impure(impure_random=False))
+    return _any_call(gm, side_effect)
 
 
 # Python calls that set or read the generator's state (`torch.manual_seed(0)` between two draws)
@@ -368,7 +370,6 @@ FUNCTIONAL_HOPS = frozenset({"auto_functionalized", "auto_functionalized_v2",
 #: are the tensors the kernel only reads, after it not (`triton_written`)
 TRITON_MUTATION = "triton_kernel_wrapper_mutation"
 TRITON_FUNCTIONAL = "triton_kernel_wrapper_functional"
-
 
 def triton_written(node: fx.Node) -> list[fx.Node]:
     """The tensors a call of a user's triton kernel may write: those of its `kwargs` (in tuples
@@ -404,19 +405,16 @@ def _graph_tensors(gm: fx.GraphModule) -> list[torch.Tensor]:
 
 def _graph_writes(gm: fx.GraphModule, target: Callable[[fx.Node], _Target]) -> bool:
     """Whether any call in `gm`, or in a subgraph of one, writes a tensor in place."""
-    for node in gm.graph.nodes:
+    def writes(gm: fx.GraphModule, node: fx.Node) -> bool:
         if node.op == "call_module":
-            if getattr(gm.get_submodule(node.target), "inplace", False) is True:
-                return True
-        elif node.op in ("call_function", "call_method"):
-            info = target(node)
-            if info.written or info.py_inplace or node.kwargs.get("inplace") is True:
-                return True
-            if isinstance(node.target, torch._ops.HigherOrderOperator) and (
-                    (node.target.name() in (TRITON_MUTATION, TRITON_FUNCTIONAL) and triton_written(node))
-                    or any(_graph_writes(sub, target) for sub in _subgraphs(gm, node))):
-                return True
-    return False
+            return getattr(gm.get_submodule(node.target), "inplace", False) is True
+        if node.op not in ("call_function", "call_method"):
+            return False
+        info = target(node)
+        return (info.written or info.py_inplace or node.kwargs.get("inplace") is True
+                or (isinstance(node.target, torch._ops.HigherOrderOperator)
+                    and node.target.name() in (TRITON_MUTATION, TRITON_FUNCTIONAL) and triton_written(node)))
+    return _any_call(gm, writes)
 
 
 def _python_random(name: str) -> bool:
